@@ -1,0 +1,81 @@
+"""``krea2 generate PROMPT``: images to PNG files that record their settings."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from ..metadata import save_png
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("generate", help="generate images from a prompt")
+    p.add_argument("prompt")
+    p.add_argument("--model", default="tiny-random", help="tiny-random, a diffusers folder/hub id, or a .safetensors/.gguf transformer file")
+    p.add_argument("--text-encoder", default=None, help="Qwen3-VL-4B-Instruct hub id or folder (single-file models)")
+    p.add_argument("--vae", default=None, help="Qwen-Image VAE hub id or folder (single-file models)")
+    p.add_argument("--turbo", dest="is_distilled", action="store_const", const=True, default=None, help="treat the model as Turbo")
+    p.add_argument("--raw", dest="is_distilled", action="store_const", const=False, help="treat the model as RAW")
+    p.add_argument("--negative", default=None, help="negative prompt (default empty when guidance is on)")
+    p.add_argument("--steps", type=int, default=None, help="default: 52 RAW, 8 Turbo")
+    p.add_argument("--guidance", type=float, default=None,
+                   help="CFG in Krea's convention (0 = off; ComfyUI's cfg = this + 1). Default: 3.5 RAW, 0 Turbo")
+    p.add_argument("--seed", type=int, default=0, help="image i of the batch uses seed + i")
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--height", type=int, default=1024)
+    p.add_argument("--num-images", type=int, default=1)
+    p.add_argument("--output", default="outputs/krea2.png", help="PNG path; batches get -0, -1, ... suffixes")
+    p.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    return p
+
+
+def output_paths(output: str, count: int) -> list[Path]:
+    path = Path(output)
+    if path.suffix.lower() != ".png":
+        raise ValueError(f"--output must end in .png, got {output!r}")
+    if count == 1:
+        return [path]
+    return [path.with_name(f"{path.stem}-{i}{path.suffix}") for i in range(count)]
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, name)
+
+
+def run(args) -> int:
+    from .. import Krea2Pipeline
+    from ..assembly import load_pipeline
+
+    if args.num_images < 1:
+        raise ValueError(f"--num-images must be >= 1, got {args.num_images}")
+    paths = output_paths(args.output, args.num_images)
+    existing = [str(p) for p in paths if p.exists()]
+    if existing and not args.overwrite:
+        raise ValueError(f"refusing to overwrite {existing}; pass --overwrite or choose another --output")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    pipe = load_pipeline(Krea2Pipeline, args.model, text_encoder=args.text_encoder, vae=args.vae,
+                         torch_dtype=resolve_dtype(args.dtype, device), is_distilled=args.is_distilled, device=device)
+    if pipe.label:
+        print(f"model: {pipe.label}")
+    generators = [torch.Generator(device).manual_seed(args.seed + i) for i in range(args.num_images)]
+    result = pipe(args.prompt, negative_prompt=args.negative, height=args.height, width=args.width,
+                  num_inference_steps=args.steps, guidance_scale=args.guidance,
+                  num_images_per_prompt=args.num_images, generator=generators)
+    preset = pipe.preset
+    steps = args.steps if args.steps is not None else preset.num_inference_steps
+    guidance = args.guidance if args.guidance is not None else preset.guidance_scale
+    for i, (image, path) in enumerate(zip(result.images, paths)):
+        settings = {
+            "prompt": args.prompt, "negative_prompt": args.negative or "", "seed": args.seed + i, "steps": steps,
+            "guidance_scale": guidance, "guidance_convention": "krea (standard = value + 1)",
+            "width": image.width, "height": image.height, "model": pipe.label or args.model,
+        }
+        save_png(image, path, settings)
+        print(f"wrote {path}")
+    return 0

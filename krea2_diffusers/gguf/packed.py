@@ -1,0 +1,67 @@
+"""A linear layer whose weight stays GGML-packed in memory.
+
+:class:`PackedLinear` subclasses :class:`torch.nn.Linear` so that everything that recognises a
+linear layer by type keeps working on it: PEFT wraps it as a LoRA base layer (like a
+bitsandbytes ``Linear4bit``: PEFT moves adapter weights to the base weight's device and, since
+the base weight is not floating point, leaves their dtype alone), ``model.to(device)`` moves the
+packed bytes, and ``model.to(dtype)`` leaves them alone (PyTorch only casts floating tensors).
+The weight is expanded to the input's dtype on the input's device at every call and dropped
+right after, so at most one layer's full-precision weight exists at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+
+from .dequant import dequantize
+from .qtypes import PACKED_TYPES, row_bytes
+
+
+class PackedLinear(nn.Linear):
+    """``y = x @ W.T + b`` with ``W`` stored as GGML blocks.
+
+    Attributes:
+        weight: uint8 ``(out_features, row_bytes)`` packed rows, ``requires_grad=False``.
+        bias: float ``(out_features,)`` or None.
+        qtype: the GGML type of ``weight``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, qtype: GGMLQuantizationType, packed: torch.Tensor,
+                 bias: torch.Tensor | None = None):
+        nn.Module.__init__(self)  # not nn.Linear.__init__: it would allocate a float weight
+        if qtype not in PACKED_TYPES:
+            raise ValueError(f"PackedLinear cannot hold {qtype.name}; packed types: {sorted(q.name for q in PACKED_TYPES)}")
+        expected = (out_features, row_bytes(qtype, in_features))
+        if packed.dtype != torch.uint8 or tuple(packed.shape) != expected:
+            raise ValueError(f"packed {qtype.name} weight must be uint8 {expected}, got {packed.dtype} {tuple(packed.shape)}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.qtype = qtype
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The full ``(out_features, in_features)`` weight in ``dtype``, on the packed bytes' device."""
+        return dequantize(self.weight, self.qtype, (self.out_features, self.in_features), dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``(..., in_features)`` float -> ``(..., out_features)`` in ``x.dtype``."""
+        weight = self.dequantized_weight(x.dtype).to(x.device)
+        bias = None if self.bias is None else self.bias.to(device=x.device, dtype=x.dtype)
+        return F.linear(x, weight, bias)
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's initialiser would try to re-randomise the packed bytes; they are data, not parameters to init.
+        pass
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, qtype={self.qtype.name}"
+
+
+def resident_bytes(module: nn.Module) -> int:
+    """Resident bytes of all parameters and buffers of ``module`` (packed or not)."""
+    tensors = list(module.parameters()) + list(module.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,187 @@
+"""Loading the transformer from the files people have: original single files (optionally
+prefixed or sharded with an index), diffusers-layout single files, and GGUF (``krea2_diffusers.gguf``).
+
+The model is built on the meta device and the tensors read from disk are assigned to it, so a
+load needs about one copy of the weights in memory, not two.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+
+from .convert import (
+    DORMANT_ORIGINAL_PREFIXES,
+    UnknownKeyError,
+    convert_original_to_diffusers,
+    original_module_to_diffusers,
+    strip_original_prefix,
+)
+from .files import CheckpointError, read_safetensors, read_safetensors_header
+from .layers import rope_axes_dims
+
+logger = logging.getLogger(__name__)
+
+# Keys that betray another architecture, for a helpful error.
+_FOREIGN_MARKERS = {
+    "double_blocks.": "Flux", "single_blocks.": "Flux", "joint_blocks.": "SD3", "transformer_blocks.0.ff_context.": "SD3/Flux (diffusers)",
+    "model.diffusion_model.input_blocks.": "Stable Diffusion (UNet)", "input_blocks.": "Stable Diffusion (UNet)",
+    "transformer_blocks.0.img_mlp.": "Qwen-Image",
+}
+# Norm scales keep float32 storage when a torch_dtype is requested: original names end in
+# ".scale", diffusers names in one of these.
+_FP32_SUFFIXES = (".scale", ".norm.weight", ".norm1.weight", ".norm2.weight", ".norm_q.weight", ".norm_k.weight")
+
+
+def _count(prefix_re: str, keys) -> int:
+    pattern = re.compile(prefix_re)
+    return len({m.group(1) for k in keys if (m := pattern.match(k))})
+
+
+def infer_config_from_shapes(shapes: dict[str, tuple[int, ...]]) -> dict:
+    """Transformer config from the tensor shapes of an original-layout checkpoint (prefix stripped)."""
+    try:
+        dim, in_channels = shapes["first.weight"]
+        head_dim = shapes["blocks.0.attn.qknorm.qnorm.scale"][0]
+        text_dim = shapes["txtmlp.0.scale"][0]
+        text_head_dim = shapes["txtfusion.layerwise_blocks.0.attn.qknorm.qnorm.scale"][0]
+        config = dict(
+            in_channels=in_channels,
+            num_layers=_count(r"^blocks\.(\d+)\.", shapes),
+            attention_head_dim=head_dim,
+            num_attention_heads=dim // head_dim,
+            num_key_value_heads=shapes["blocks.0.attn.wk.weight"][0] // head_dim,
+            intermediate_size=shapes["blocks.0.mlp.gate.weight"][0],
+            timestep_embed_dim=shapes["tmlp.0.weight"][1],
+            text_hidden_dim=text_dim,
+            num_text_layers=shapes["txtfusion.projector.weight"][1],
+            text_num_attention_heads=text_dim // text_head_dim,
+            text_num_key_value_heads=shapes["txtfusion.layerwise_blocks.0.attn.wk.weight"][0] // text_head_dim,
+            text_intermediate_size=shapes["txtfusion.layerwise_blocks.0.mlp.gate.weight"][0],
+            num_layerwise_text_blocks=_count(r"^txtfusion\.layerwise_blocks\.(\d+)\.", shapes),
+            num_refiner_text_blocks=_count(r"^txtfusion\.refiner_blocks\.(\d+)\.", shapes),
+            axes_dims_rope=rope_axes_dims(head_dim),
+        )
+    except KeyError as err:
+        raise CheckpointError(f"cannot infer the Krea 2 config: tensor {err.args[0]!r} is missing") from None
+    return config
+
+
+def _shard_files(path: Path) -> list[Path]:
+    """The safetensors files behind ``path``: one file, an index's shards, or a folder's index."""
+    if path.is_dir():
+        indexes = sorted(path.glob("*.safetensors.index.json"))
+        if indexes:
+            path = indexes[0]
+        else:
+            files = sorted(path.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{path}: folder holds no .safetensors files")
+            return files
+    if path.name.endswith(".index.json"):
+        try:
+            weight_map = json.loads(path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{path}: not a safetensors index ({err})") from None
+        shards = sorted({path.parent / name for name in weight_map.values()})
+        missing = [str(s) for s in shards if not s.exists()]
+        if missing:
+            raise CheckpointError(f"{path}: shard files missing: {missing}")
+        return shards
+    if path.suffix in (".ckpt", ".pt", ".pth", ".bin"):
+        raise CheckpointError(f"{path}: pickle-based checkpoints are not loaded (unsafe); convert it to safetensors")
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file")
+    return [path]
+
+
+def _identify(keys: list[str], path: Path) -> str:
+    """'original' or 'diffusers' layout, or a CheckpointError saying what the file is instead."""
+    bare = {strip_original_prefix(k) for k in keys}
+    if "txtfusion.projector.weight" in bare or "first.weight" in bare:
+        return "original"
+    if "text_fusion.projector.weight" in bare and "img_in.weight" in bare:
+        return "diffusers"
+    for marker, name in _FOREIGN_MARKERS.items():
+        if any(k.startswith(marker) for k in keys):
+            raise CheckpointError(f"{path}: this is a {name} checkpoint, not Krea 2")
+    raise CheckpointError(f"{path}: not a Krea 2 transformer checkpoint (no 'txtfusion.projector.weight' or 'first.weight')")
+
+
+def _target_dtype(torch_dtype):
+    def choose(name: str, stored: torch.dtype) -> torch.dtype:
+        if torch_dtype is None or not stored.is_floating_point:
+            return stored
+        if name.endswith(_FP32_SUFFIXES):
+            return torch.float32
+        return torch_dtype
+    return choose
+
+
+def load_state_dict_into_meta_model(cls, state_dict: dict[str, torch.Tensor], config: dict, source: str):
+    """Build ``cls(**config)`` on the meta device and assign ``state_dict`` (diffusers names) to it."""
+    with torch.device("meta"):
+        model = cls(**config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    wrong = [f"{k}: file {tuple(state_dict[k].shape)} vs model {expected[k]}" for k in expected if k in state_dict and tuple(state_dict[k].shape) != expected[k]]
+    if missing or unexpected or wrong:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        if unexpected:
+            parts.append(f"unexpected tensors {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+        if wrong:
+            parts.append(f"mis-shaped tensors {wrong[:8]}")
+        raise CheckpointError(f"{source}: does not match the Krea 2 config: " + "; ".join(parts))
+    model.load_state_dict(state_dict, assign=True, strict=True)
+    return model.eval()
+
+
+def load_single_file(cls, path, torch_dtype: torch.dtype | None = None, config: dict | None = None):
+    """Load a Krea 2 transformer from a single file, a sharded index or a GGUF file.
+
+    Args:
+        path: ``.safetensors`` (original or diffusers layout, ``model.diffusion_model.`` prefix allowed),
+            ``*.safetensors.index.json`` or a folder of shards, or ``.gguf``.
+        torch_dtype: cast floating tensors to this dtype as they are read (norm scales stay float32);
+            None keeps the stored dtypes.
+        config: transformer config kwargs; inferred from the tensor shapes when None.
+    """
+    path = Path(path)
+    if path.suffix == ".gguf":
+        from .gguf import load_gguf_transformer
+
+        return load_gguf_transformer(cls, path, config=config, torch_dtype=torch_dtype)
+    files = _shard_files(path)
+    headers = {f: read_safetensors_header(f)[0] for f in files}
+    keys = [k for h in headers.values() for k in h]
+    layout = _identify(keys, path)
+    if layout == "original":
+        dormant = [k for k in keys if strip_original_prefix(k).startswith(DORMANT_ORIGINAL_PREFIXES)]
+        if dormant:
+            logger.warning("%s: ignoring unused tensors %s", path, dormant)
+        for k in keys:
+            if k not in dormant:
+                try:
+                    original_module_to_diffusers(k)
+                except UnknownKeyError:
+                    raise CheckpointError(f"{path}: unexpected tensor {k!r} (not part of Krea 2)") from None
+        shapes = {strip_original_prefix(k): tuple(e["shape"]) for h in headers.values() for k, e in h.items()}
+        if config is None:
+            config = infer_config_from_shapes(shapes)
+    elif config is None:
+        raise CheckpointError(f"{path}: a diffusers-layout single file needs `config=` (or load its folder with from_pretrained)")
+    state_dict: dict[str, torch.Tensor] = {}
+    choose = _target_dtype(torch_dtype)
+    for f, header in headers.items():
+        names = [k for k in header if not strip_original_prefix(k).startswith(DORMANT_ORIGINAL_PREFIXES)]
+        tensors = read_safetensors(f, names, dtype_for=lambda n, d: choose(strip_original_prefix(n), d))
+        state_dict.update(convert_original_to_diffusers(tensors) if layout == "original" else tensors)
+        del tensors
+    return load_state_dict_into_meta_model(cls, state_dict, config, str(path))

@@ -1,0 +1,333 @@
+"""``Krea2Pipeline``: text-to-image with Krea 2 RAW or Turbo.
+
+Per generation, the text is encoded once (positive and negative prompts in one encoder call,
+padded only to the longest), the transformer's timestep-independent work is prepared once,
+and CFG's two branches run as one batch. Each step then costs one transformer pass.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import PIL.Image
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.utils import BaseOutput
+from diffusers.utils.torch_utils import randn_tensor
+
+from . import sampling
+from .conditioning import DEFAULT_MAX_SEQUENCE_LENGTH, TAPPED_LAYERS, encode_prompts, pad_conditioning
+from .latents import PATCH_SIZE, PIXELS_PER_TOKEN, decode_latents, pack_latents, position_ids, round_to_multiple, unpack_latents
+from .presets import preset_for
+from .tiny import TINY_LABEL, is_tiny, tiny_components
+from .transformer import Krea2Transformer2DModel
+
+logger = logging.getLogger(__name__)
+
+OUTPUT_TYPES = ("pil", "np", "pt", "latent")
+
+
+@dataclass
+class Krea2PipelineOutput(BaseOutput):
+    """images: list of PIL images, (B, H, W, 3) array, (B, 3, H, W) tensor in [0, 1], or packed latents.
+    expanded_prompts: the prompts actually encoded when a prompt expander ran, else None."""
+
+    images: Any
+    expanded_prompts: list[str] | None = None
+
+
+class Krea2Pipeline(DiffusionPipeline):
+    """Krea 2 text-to-image pipeline.
+
+    Args:
+        scheduler: kept for diffusers-format folders; sampling follows Krea 2's schedule (see ``sampling``).
+        vae: ``AutoencoderKLQwenImage``.
+        text_encoder: ``Qwen3VLForConditionalGeneration`` (keeps the LM head, for prompt expansion) or ``Qwen3VLModel``.
+        tokenizer: the Qwen tokenizer.
+        transformer: :class:`Krea2Transformer2DModel`.
+        text_encoder_select_layers: tapped ``hidden_states`` indices (default: the released 12).
+        is_distilled: True for Turbo (fixed shift, 8 steps, no CFG by default).
+    """
+
+    model_cpu_offload_seq = "text_encoder->transformer->vae"
+    _callback_tensor_inputs = ["latents", "prompt_embeds"]
+
+    def __init__(self, scheduler, vae, text_encoder, tokenizer, transformer, text_encoder_select_layers=None,
+                 is_distilled: bool = False, patch_size: int = PATCH_SIZE):
+        super().__init__()
+        if patch_size != PATCH_SIZE:
+            raise ValueError(f"Krea 2 uses patch_size={PATCH_SIZE}, got {patch_size}")
+        self.register_modules(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
+        layers = tuple(text_encoder_select_layers) if text_encoder_select_layers is not None else TAPPED_LAYERS
+        expected = getattr(getattr(transformer, "config", None), "num_text_layers", len(layers))
+        if len(layers) != expected:
+            raise ValueError(f"text_encoder_select_layers has {len(layers)} entries; the transformer reads {expected} layers")
+        self.register_to_config(text_encoder_select_layers=layers, is_distilled=bool(is_distilled), patch_size=patch_size)
+        self.label = None  # e.g. the tiny-random warning, shown by the CLI and the UIs
+        # CFG runs both branches in one batch; set False to halve peak activation memory.
+        self.batch_cfg = True
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """A diffusers-format folder or hub id (our transformer class is used), or ``"tiny-random"``."""
+        is_distilled = kwargs.pop("is_distilled", None)
+        if is_tiny(pretrained_model_name_or_path):
+            dtype = kwargs.pop("torch_dtype", None) or torch.float32
+            pipe = cls(**tiny_components(seed=kwargs.pop("seed", 0), torch_dtype=dtype), is_distilled=bool(is_distilled))
+            pipe.label = TINY_LABEL
+            logger.warning("Loaded %s", TINY_LABEL)
+            return pipe
+        if "transformer" not in kwargs:
+            sub = {k: kwargs[k] for k in ("torch_dtype", "cache_dir", "local_files_only", "revision", "token") if k in kwargs}
+            kwargs["transformer"] = Krea2Transformer2DModel.from_pretrained(pretrained_model_name_or_path, subfolder="transformer", **sub)
+        pipe = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        if is_distilled is not None:
+            pipe.register_to_config(is_distilled=bool(is_distilled))
+        return pipe
+
+    @classmethod
+    def from_single_file(cls, path, text_encoder="Qwen/Qwen3-VL-4B-Instruct", vae="Qwen/Qwen-Image", tokenizer=None,
+                         torch_dtype=None, is_distilled: bool | None = None, **load_kwargs):
+        """Assemble a pipeline from a RAW or Turbo transformer file (safetensors or GGUF) plus the
+        Qwen3-VL-4B-Instruct text encoder and the Qwen-Image VAE (hub ids, local folders or loaded models).
+
+        ``is_distilled`` defaults to whether the file name says Turbo/TDM.
+        """
+        from .assembly import assemble_from_single_file
+
+        return assemble_from_single_file(cls, path, text_encoder=text_encoder, vae=vae, tokenizer=tokenizer,
+                                         torch_dtype=torch_dtype, is_distilled=is_distilled, **load_kwargs)
+
+    @property
+    def is_distilled(self) -> bool:
+        return bool(self.config.is_distilled)
+
+    @property
+    def preset(self):
+        return preset_for(self.is_distilled)
+
+    # ------------------------------------------------------------------ text
+    def encode_prompt(self, prompt, device=None, num_images_per_prompt: int = 1, prompt_embeds=None,
+                      prompt_embeds_mask=None, max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH):
+        """Encode prompts: returns embeds (B * n, L, 12, 2560) and mask (B * n, L) bool.
+
+        L is the longest prompt's token count plus the 5 suffix tokens (at most ``max_sequence_length``);
+        the reference's fixed 512 padding gives the same images, so it is not materialised.
+        """
+        if prompt_embeds is None:
+            prompts = [prompt] if isinstance(prompt, str) else prompt
+            prompt_embeds, prompt_embeds_mask = encode_prompts(
+                self.text_encoder, self.tokenizer, list(prompts), layers=self.config.text_encoder_select_layers,
+                max_sequence_length=max_sequence_length, device=device or self._execution_device,
+            )
+        elif prompt_embeds_mask is None:
+            raise ValueError("prompt_embeds_mask is required with prompt_embeds")
+        if num_images_per_prompt > 1:
+            prompt_embeds = prompt_embeds.repeat_interleave(num_images_per_prompt, dim=0)
+            prompt_embeds_mask = prompt_embeds_mask.repeat_interleave(num_images_per_prompt, dim=0)
+        return prompt_embeds, prompt_embeds_mask.bool()
+
+    def _encode_both(self, prompts, negatives, max_sequence_length, device):
+        """Encode positive and negative prompts in one encoder call; returns ((e, m), (ne, nm) | None)."""
+        texts = prompts + (negatives or [])
+        embeds, mask = self.encode_prompt(texts, device=device, max_sequence_length=max_sequence_length)
+        n = len(prompts)
+        if not negatives:
+            return (embeds, mask), None
+        return (embeds[:n], mask[:n]), (embeds[n:], mask[n:])
+
+    # ------------------------------------------------------------------ checks
+    @staticmethod
+    def _as_list(value, name: str, batch: int | None = None) -> list[str] | None:
+        if value is None:
+            return None
+        values = [value] if isinstance(value, str) else value
+        if not isinstance(values, (list, tuple)) or not all(isinstance(v, str) for v in values) or not values:
+            raise ValueError(f"{name} must be a string or a non-empty list of strings, got {value!r}")
+        values = list(values)
+        if batch is not None and len(values) != batch:
+            if len(values) == 1:
+                return values * batch
+            raise ValueError(f"{name} has {len(values)} entries but there are {batch} prompts")
+        return values
+
+    @staticmethod
+    def _check_size(height, width) -> tuple[int, int]:
+        for name, value in (("height", height), ("width", width)):
+            if not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        rounded = round_to_multiple(height), round_to_multiple(width)
+        if rounded != (height, width):
+            logger.warning("height and width must be multiples of %d; rounding %dx%d up to %dx%d",
+                           PIXELS_PER_TOKEN, height, width, *rounded)
+        return rounded
+
+    # ------------------------------------------------------------------ sampling
+    @torch.no_grad()
+    def __call__(
+        self,
+        prompt: str | list[str] | None = None,
+        negative_prompt: str | list[str] | None = None,
+        height: int = 1024,
+        width: int = 1024,
+        num_inference_steps: int | None = None,
+        sigmas: list[float] | None = None,
+        guidance_scale: float | None = None,
+        num_images_per_prompt: int = 1,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        latents: torch.Tensor | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        prompt_embeds_mask: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds_mask: torch.Tensor | None = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
+        callback_on_step_end: Callable | None = None,
+        callback_on_step_end_tensor_inputs: list[str] = ("latents",),
+        attention_kwargs: dict | None = None,
+        max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH,
+        guidance_interval: tuple[float, float] | None = None,
+    ):
+        """Generate images.
+
+        Args:
+            prompt / negative_prompt: text(s); the negative defaults to "" when guidance is on.
+            height, width: pixels, rounded up to multiples of 16.
+            num_inference_steps: Euler steps; default 52 (RAW) or 8 (Turbo).
+            sigmas: custom unshifted time grid (N values in (0, 1], no final 0), diffusers-style.
+            guidance_scale: CFG in Krea's convention, ``v = v_c + g (v_c - v_u)``: 0 = off. The usual
+                (ComfyUI) scale is ``g + 1``. Default 3.5 (RAW) or 0 (Turbo).
+            latents: initial noise, packed (B, N, 64).
+            prompt_embeds / negative_prompt_embeds: (B, L, 12, 2560) with bool masks (B, L).
+            output_type: "pil", "np" (B, H, W, 3), "pt" (B, 3, H, W) in [0, 1], or "latent" (packed).
+            callback_on_step_end: ``fn(pipe, step, timestep, {name: tensor}) -> dict`` (may replace latents).
+            attention_kwargs: ``{"scale": s}`` scales loaded LoRAs.
+            guidance_interval: (low, high): apply CFG only for t in [low, high] (t = 1 is noise).
+        """
+        preset = self.preset
+        steps = preset.num_inference_steps if num_inference_steps is None and sigmas is None else num_inference_steps
+        if sigmas is not None:
+            steps = len(sigmas)
+        guidance = preset.guidance_scale if guidance_scale is None else guidance_scale
+        if isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not np.isfinite(guidance) or guidance < 0:
+            raise ValueError(f"guidance_scale must be a finite number >= 0 (Krea convention, 0 = off), got {guidance_scale!r}")
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"num_inference_steps must be a positive integer, got {num_inference_steps!r}")
+        if not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
+            raise ValueError(f"num_images_per_prompt must be a positive integer, got {num_images_per_prompt!r}")
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {output_type!r}")
+        bad_inputs = set(callback_on_step_end_tensor_inputs) - set(self._callback_tensor_inputs)
+        if bad_inputs:
+            raise ValueError(f"callback_on_step_end_tensor_inputs must be among {self._callback_tensor_inputs}, got {sorted(bad_inputs)}")
+        interval = sampling.check_guidance_interval(guidance_interval)
+        height, width = self._check_size(height, width)
+        if (prompt is None) == (prompt_embeds is None):
+            raise ValueError("pass exactly one of `prompt` and `prompt_embeds`")
+        device = self._execution_device
+        self._interrupt = False
+        do_cfg = guidance > 0
+
+        # 1. Text.
+        prompts = self._as_list(prompt, "prompt")
+        batch = len(prompts) if prompts is not None else prompt_embeds.shape[0]
+        negatives = self._as_list(negative_prompt if negative_prompt is not None else "", "negative_prompt", batch) if do_cfg else None
+        if prompt_embeds is None and (negative_prompt_embeds is None or not do_cfg):
+            (embeds, mask), neg = self._encode_both(prompts, negatives, max_sequence_length, device)
+        else:
+            embeds, mask = self.encode_prompt(prompts, device, 1, prompt_embeds, prompt_embeds_mask, max_sequence_length)
+            neg = None
+            if do_cfg:
+                neg = self.encode_prompt(negatives, device, 1, negative_prompt_embeds, negative_prompt_embeds_mask, max_sequence_length)
+        n = num_images_per_prompt
+        embeds, mask = embeds.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
+        total = batch * n
+        if do_cfg:
+            neg_embeds, neg_mask = neg[0].repeat_interleave(n, 0), neg[1].repeat_interleave(n, 0)
+            all_embeds, all_mask = pad_conditioning([embeds, neg_embeds], [mask, neg_mask])
+        else:
+            all_embeds, all_mask = embeds, mask
+
+        # 2. Noise, positions, schedule.
+        grid_h, grid_w = height // PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN
+        if latents is None:
+            shape = (total, self.transformer.config.in_channels // PATCH_SIZE**2, grid_h * PATCH_SIZE, grid_w * PATCH_SIZE)
+            latents = pack_latents(randn_tensor(shape, generator=generator, device=device, dtype=torch.float32))
+        elif latents.shape != (total, grid_h * grid_w, self.transformer.config.in_channels):
+            raise ValueError(f"latents must be packed as {(total, grid_h * grid_w, self.transformer.config.in_channels)}, got {tuple(latents.shape)}")
+        latents = latents.to(device=device, dtype=torch.float32)
+        positions = position_ids(all_embeds.shape[1], grid_h, grid_w, device)
+        mu = sampling.schedule_mu(grid_h * grid_w, self.is_distilled)
+        times = sampling.sigma_schedule(steps, mu, sigmas).tolist()
+        self._num_timesteps = steps
+
+        # 3. Everything that does not change across steps, once.
+        conditioning = self.transformer.prepare_conditioning(all_embeds.to(device), positions, all_mask.to(device))
+        cond_only = conditioning.select(slice(0, total)) if do_cfg else conditioning
+
+        # 4. Euler steps.
+        with self.progress_bar(total=steps) as progress:
+            for i in range(steps):
+                if self._interrupt:
+                    break
+                t, t_next = times[i], times[i + 1]
+                velocity = self._velocity(latents, t, conditioning, cond_only, guidance, interval, attention_kwargs, total)
+                latents = sampling.euler_step(latents, velocity, t, t_next)
+                if callback_on_step_end is not None:
+                    local = {"latents": latents, "prompt_embeds": embeds}
+                    outputs = callback_on_step_end(self, i, torch.tensor(t * 1000.0), {k: local[k] for k in callback_on_step_end_tensor_inputs}) or {}
+                    latents = outputs.get("latents", latents)
+                progress.update()
+
+        # 5. Decode.
+        self.maybe_free_model_hooks()
+        if output_type == "latent":
+            images = latents
+        else:
+            images = decode_latents(self.vae, unpack_latents(latents, height, width))
+            images = self._to_output(images, output_type)
+        if not return_dict:
+            return (images,)
+        return Krea2PipelineOutput(images=images)
+
+    def _velocity(self, latents, t, conditioning, cond_only, guidance, interval, attention_kwargs, total):
+        """The (guided) velocity (B, N, 64) at time t; one transformer pass when CFG is batched."""
+        timestep = torch.full((total,), t, device=latents.device, dtype=torch.float32)
+        run = lambda x, cond, ts: self.transformer(x, timestep=ts, conditioning=cond, attention_kwargs=attention_kwargs, return_dict=False)[0].float()
+        if not sampling.guidance_active(t, guidance, interval):
+            return run(latents, cond_only, timestep)
+        if self.batch_cfg:
+            both = run(torch.cat([latents, latents]), conditioning, torch.cat([timestep, timestep]))
+            cond, uncond = both.chunk(2)
+        else:
+            cond = run(latents, cond_only, timestep)
+            uncond = run(latents, conditioning.select(slice(total, 2 * total)), timestep)
+        return sampling.guided_velocity(cond, uncond, guidance)
+
+    @property
+    def interrupt(self) -> bool:
+        return getattr(self, "_interrupt", False)
+
+    @property
+    def num_timesteps(self) -> int:
+        return getattr(self, "_num_timesteps", 0)
+
+    @staticmethod
+    def _to_output(images: torch.Tensor, output_type: str):
+        if output_type == "pt":
+            return images
+        array = images.permute(0, 2, 3, 1).cpu().numpy()
+        if output_type == "np":
+            return array
+        return [PIL.Image.fromarray((a * 255).round().astype(np.uint8)) for a in array]
+
+    # ------------------------------------------------------------------ adapters
+    def load_lora_weights(self, pretrained_model_name_or_path_or_dict, adapter_name: str | None = None, strength: float = 1.0, **kwargs):
+        """Load a LoRA in diffusers/PEFT, ComfyUI/native or kohya format onto the transformer."""
+        from .lora import load_lora_into_transformer
+
+        return load_lora_into_transformer(self.transformer, pretrained_model_name_or_path_or_dict, adapter_name=adapter_name, strength=strength, **kwargs)

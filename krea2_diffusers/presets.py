@@ -1,0 +1,30 @@
+"""Sampler defaults of the two released checkpoints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplerPreset:
+    name: str
+    num_inference_steps: int
+    guidance_scale: float  # Krea convention: 0 = off; standard convention = guidance_scale + 1
+    is_distilled: bool
+
+
+RAW = SamplerPreset("raw", num_inference_steps=52, guidance_scale=3.5, is_distilled=False)
+TURBO = SamplerPreset("turbo", num_inference_steps=8, guidance_scale=0.0, is_distilled=True)
+
+# Substrings of a checkpoint's file or folder name that mark the distilled release.
+DISTILLED_NAME_MARKERS = ("turbo", "tdm", "distill")
+
+
+def preset_for(is_distilled: bool) -> SamplerPreset:
+    return TURBO if is_distilled else RAW
+
+
+def looks_distilled(name: str) -> bool:
+    """Guess from a file/repo name whether it is the Turbo release (callers can override)."""
+    lowered = str(name).lower()
+    return any(marker in lowered for marker in DISTILLED_NAME_MARKERS)

@@ -1,0 +1,93 @@
+"""Flow-matching Euler sampler pieces, per the released model's schedule.
+
+Convention: ``x_t = (1 - t) x0 + t noise``, the model predicts ``v = noise - x0``, t runs 1 -> 0.
+Guidance uses Krea's convention ``v = v_cond + g (v_cond - v_uncond)``: g = 0 is off, and g
+equals ``s - 1`` for the standard ``v_uncond + s (v_cond - v_uncond)`` scale used by ComfyUI.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+# Resolution-dependent shift for RAW: mu is linear in the image token count through
+# (256 tokens, 0.5) and (6400 tokens, 1.15), i.e. 256 px and 1280 px squares.
+BASE_IMAGE_SEQ_LEN = 256
+MAX_IMAGE_SEQ_LEN = 6400
+BASE_SHIFT = 0.5
+MAX_SHIFT = 1.15
+# Turbo was distilled at one fixed shift.
+DISTILLED_SHIFT = 1.15
+
+
+def compute_mu(image_seq_len: int) -> float:
+    """RAW's shift parameter for an image of ``image_seq_len`` transformer tokens."""
+    slope = (MAX_SHIFT - BASE_SHIFT) / (MAX_IMAGE_SEQ_LEN - BASE_IMAGE_SEQ_LEN)
+    return BASE_SHIFT + slope * (image_seq_len - BASE_IMAGE_SEQ_LEN)
+
+
+def time_shift(t: torch.Tensor, mu: float) -> torch.Tensor:
+    """Exponential time shift ``e^mu / (e^mu + (1/t - 1))``; t = 0 stays 0."""
+    t = torch.as_tensor(t, dtype=torch.float64)
+    shifted = math.exp(mu) / (math.exp(mu) + (1.0 / t.clamp_min(torch.finfo(t.dtype).tiny) - 1.0))
+    return torch.where(t > 0, shifted, torch.zeros_like(t))
+
+
+def sigma_schedule(
+    num_inference_steps: int, mu: float, sigmas: Sequence[float] | None = None
+) -> torch.Tensor:
+    """The ``steps + 1`` shifted time points, from 1 (noise) to 0 (data), float64.
+
+    Args:
+        num_inference_steps: number of Euler steps (ignored when ``sigmas`` is given).
+        mu: shift parameter (:func:`compute_mu` for RAW, :data:`DISTILLED_SHIFT` for Turbo).
+        sigmas: optional custom unshifted grid without the final 0, as in diffusers (``N`` values).
+    """
+    if sigmas is None:
+        if not isinstance(num_inference_steps, int) or num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be a positive integer, got {num_inference_steps!r}")
+        grid = torch.linspace(1.0, 0.0, num_inference_steps + 1, dtype=torch.float64)
+    else:
+        grid = torch.tensor([*sigmas, 0.0], dtype=torch.float64)
+        if grid.ndim != 1 or len(grid) < 2 or bool((grid[:-1] <= 0).any()) or bool((grid > 1).any()):
+            raise ValueError(f"sigmas must be a non-empty list of values in (0, 1], got {list(sigmas)!r}")
+    return time_shift(grid, mu)
+
+
+def schedule_mu(image_seq_len: int, is_distilled: bool) -> float:
+    return DISTILLED_SHIFT if is_distilled else compute_mu(image_seq_len)
+
+
+def euler_step(latents: torch.Tensor, velocity: torch.Tensor, t: float, t_next: float) -> torch.Tensor:
+    """One Euler step of the flow ODE, accumulated in float32 at least."""
+    dtype = torch.promote_types(latents.dtype, torch.float32)
+    return (latents.to(dtype) + (t_next - t) * velocity.to(dtype)).to(latents.dtype)
+
+
+def guided_velocity(cond: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+    """Krea-convention CFG: ``cond + g (cond - uncond)``."""
+    return cond + guidance_scale * (cond - uncond)
+
+
+def guidance_active(t: float, guidance_scale: float, interval: tuple[float, float] | None) -> bool:
+    """Whether CFG runs at time ``t``: g > 0 and t inside the closed ``interval`` (None = always)."""
+    if guidance_scale <= 0:
+        return False
+    if interval is None:
+        return True
+    low, high = interval
+    return low <= t <= high
+
+
+def check_guidance_interval(interval) -> tuple[float, float] | None:
+    if interval is None:
+        return None
+    try:
+        low, high = (float(v) for v in interval)
+    except (TypeError, ValueError):
+        raise ValueError(f"guidance_interval must be a pair (low, high), got {interval!r}") from None
+    if not 0.0 <= low <= high <= 1.0:
+        raise ValueError(f"guidance_interval must satisfy 0 <= low <= high <= 1, got {interval!r}")
+    return low, high

