@@ -8,7 +8,7 @@ import logging
 import sys
 
 # Subcommand modules under krea2_diffusers.cli, in help order.
-COMMANDS = ("generate", "convert")
+COMMANDS = ("generate", "convert", "quantize")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,92 @@
+"""Our Krea2Pipeline vs diffusers.Krea2Pipeline on the same tiny-but-proportioned components.
+
+512x512, 8 steps, CFG on, a short prompt; identical weights and noise. Prints both wall times,
+the ratio (target: ours <= 0.4x theirs) and the largest pixel difference.
+
+    python bench/bench_pipeline.py [--size 512] [--steps 8] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+# Proportions of the released model at 1/16 width: 4:1 GQA, SwiGLU ~2.67x, 36-layer encoder tapped at 12.
+TRANSFORMER = dict(
+    in_channels=64, num_layers=8, attention_head_dim=32, num_attention_heads=12, num_key_value_heads=3,
+    intermediate_size=1024, timestep_embed_dim=256, text_hidden_dim=160, num_text_layers=12,
+    text_num_attention_heads=5, text_num_key_value_heads=5, text_intermediate_size=432,
+    num_layerwise_text_blocks=2, num_refiner_text_blocks=2, axes_dims_rope=(8, 12, 12),
+)
+
+
+def build(seed: int = 0):
+    import diffusers
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from krea2_diffusers import Krea2Pipeline, Krea2Transformer2DModel
+    from krea2_diffusers.tiny import randomize_, tiny_components, tiny_text_encoder_config
+
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    parts = tiny_components(seed)
+    te_config = tiny_text_encoder_config()
+    te_config.text_config.hidden_size = TRANSFORMER["text_hidden_dim"]
+    te_config.text_config.intermediate_size = 432
+    te_config.text_config.num_attention_heads = 8
+    te_config.text_config.num_key_value_heads = 4
+    te_config.text_config.head_dim = 20
+    te_config.text_config.rope_parameters["mrope_section"] = [4, 3, 3]
+    te_config.vision_config.out_hidden_size = TRANSFORMER["text_hidden_dim"]
+    parts["text_encoder"] = Qwen3VLForConditionalGeneration(te_config).eval()
+    parts["transformer"] = Krea2Transformer2DModel(**TRANSFORMER).eval()
+    for module in (parts["text_encoder"], parts["transformer"]):
+        randomize_(module, generator)
+    ours = Krea2Pipeline(**parts)
+    theirs_transformer = diffusers.Krea2Transformer2DModel(**TRANSFORMER)
+    theirs_transformer.load_state_dict(parts["transformer"].state_dict())
+    theirs = diffusers.Krea2Pipeline(
+        scheduler=parts["scheduler"], vae=parts["vae"], text_encoder=parts["text_encoder"].model,
+        tokenizer=parts["tokenizer"], transformer=theirs_transformer.eval(),
+    )
+    for pipe in (ours, theirs):
+        pipe.set_progress_bar_config(disable=True)
+    return ours, theirs
+
+
+def timed(pipe, repeats: int, **kwargs):
+    best, images = float("inf"), None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        images = pipe(**kwargs).images
+        best = min(best, time.perf_counter() - start)
+    return best, images
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--guidance", type=float, default=3.5)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    ours, theirs = build()
+    tokens = (args.size // 16) ** 2
+    latents = torch.randn(1, tokens, 64, generator=torch.Generator().manual_seed(0))
+    kwargs = dict(prompt="a red fox in the snow", height=args.size, width=args.size, num_inference_steps=args.steps,
+                  guidance_scale=args.guidance, output_type="np")
+    with torch.inference_mode():
+        t_theirs, img_theirs = timed(theirs, args.repeats, latents=latents.clone(), **kwargs)
+        t_ours, img_ours = timed(ours, args.repeats, latents=latents.clone(), **kwargs)
+    print(f"{args.size}x{args.size}, {args.steps} steps, CFG {args.guidance}, torch threads {torch.get_num_threads()}")
+    print(f"diffusers.Krea2Pipeline : {t_theirs:7.2f} s")
+    print(f"krea2_diffusers         : {t_ours:7.2f} s")
+    print(f"ratio ours/theirs       : {t_ours / t_theirs:7.3f}  (target <= 0.4)")
+    print(f"max |pixel diff|        : {np.abs(img_ours - img_theirs).max():.2e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Shared tiny components and diffusers oracles (all offline, random weights)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from krea2_diffusers import Krea2Pipeline, Krea2Transformer2DModel
+from krea2_diffusers.tiny import randomize_
+
+
+def small_config(**overrides) -> dict:
+    """A transformer config small enough for float64 parity tests, with GQA (4 query / 2 kv heads)."""
+    config = dict(
+        in_channels=64, num_layers=2, attention_head_dim=16, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, timestep_embed_dim=32, text_hidden_dim=32, num_text_layers=3,
+        text_num_attention_heads=2, text_num_key_value_heads=1, text_intermediate_size=48,
+        num_layerwise_text_blocks=2, num_refiner_text_blocks=2, axes_dims_rope=(4, 6, 6),
+    )
+    config.update(overrides)
+    return config
+
+
+def random_state_dict(model: torch.nn.Module, seed: int = 0, std: float = 0.3) -> dict:
+    """Random values for every tensor, zero-initialised tables and norm scales included."""
+    generator = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(v.shape, generator=generator, dtype=torch.float64).to(v.dtype) * std for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="session")
+def tiny_pipe() -> Krea2Pipeline:
+    pipe = Krea2Pipeline.from_pretrained("tiny-random")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="session")
+def oracle_pipe(tiny_pipe):
+    """diffusers' own Krea2Pipeline over the same tiny components (the transformer copied into diffusers' class)."""
+    import diffusers
+
+    transformer = diffusers.Krea2Transformer2DModel(**tiny_pipe.transformer.config)
+    transformer.load_state_dict(tiny_pipe.transformer.state_dict())
+    pipe = diffusers.Krea2Pipeline(
+        scheduler=tiny_pipe.scheduler, vae=tiny_pipe.vae, text_encoder=tiny_pipe.text_encoder.model,
+        tokenizer=tiny_pipe.tokenizer, transformer=transformer.eval(),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def pair_of_transformers(dtype: torch.dtype, **overrides):
+    """Ours and diffusers' transformer with identical random weights."""
+    import diffusers
+
+    config = small_config(**overrides)
+    ours = Krea2Transformer2DModel(**config)
+    theirs = diffusers.Krea2Transformer2DModel(**config)
+    state = random_state_dict(theirs)
+    theirs.load_state_dict(state)
+    ours.load_state_dict(state)
+    return ours.to(dtype).eval(), theirs.to(dtype).eval()
+
+
+__all__ = ["small_config", "random_state_dict", "pair_of_transformers", "randomize_"]

@@ -1,0 +1,79 @@
+"""Prompt encoding against diffusers' encode_prompt on the real Qwen tokenizer and a tiny Qwen3-VL."""
+
+import pytest
+import torch
+
+from krea2_diffusers.conditioning import ASSISTANT_SUFFIX, SYSTEM_PREFIX, TAPPED_LAYERS, template_counts, tokenize_prompts
+from krea2_diffusers.tokenizer import qwen_tokenizer
+
+PROMPTS = ["a red fox sitting in fresh snow, golden hour", "two cats", "x " * 600]
+
+
+def test_real_tokenizer_template_counts():
+    tok = qwen_tokenizer()
+    counts = template_counts(tok)
+    assert (counts.prefix, counts.suffix) == (34, 5)
+    assert tok(ASSISTANT_SUFFIX).input_ids == [151645, 198, 151644, 77091, 198]
+    assert tok.convert_tokens_to_ids("<|image_pad|>") == 151655
+    assert tok(SYSTEM_PREFIX).input_ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
+
+
+def test_layout_pads_between_prompt_and_suffix():
+    tok = qwen_tokenizer()
+    ids, mask, prefix = tokenize_prompts(tok, ["a much longer prompt than the other one", "hi"])
+    suffix = tok(ASSISTANT_SUFFIX).input_ids
+    assert ids[1, -5:].tolist() == suffix and ids[0, -5:].tolist() == suffix
+    assert mask[0].all() and not mask[1].all()
+    assert mask[1, -5:].all()
+    # padding is contiguous and sits right before the suffix
+    pad = (~mask[1]).nonzero().squeeze(-1)
+    assert pad.max().item() == ids.shape[1] - 6 and (pad.diff() == 1).all()
+
+
+def test_truncation_keeps_507_prompt_tokens():
+    tok = qwen_tokenizer()
+    ids, mask, prefix = tokenize_prompts(tok, [PROMPTS[2]], max_sequence_length=512)
+    assert prefix == 34 and mask.sum().item() - prefix == 512
+
+
+def test_encoding_matches_diffusers(tiny_pipe, oracle_pipe):
+    ours, ours_mask = tiny_pipe.encode_prompt(PROMPTS)
+    theirs, theirs_mask = oracle_pipe.encode_prompt(PROMPTS)
+    assert theirs.shape[1] == 512 and ours.shape[1] <= 512
+    assert ours.shape[2:] == (len(TAPPED_LAYERS), 32)
+    for row in range(len(PROMPTS)):
+        a, b = ours[row][ours_mask[row]], theirs[row][theirs_mask[row]]
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_encoding_accepts_model_without_lm_head(tiny_pipe):
+    from krea2_diffusers.conditioning import encode_prompts
+
+    full = encode_prompts(tiny_pipe.text_encoder, tiny_pipe.tokenizer, ["a cat"])
+    base = encode_prompts(tiny_pipe.text_encoder.model, tiny_pipe.tokenizer, ["a cat"])
+    assert torch.equal(full[0], base[0]) and torch.equal(full[1], base[1])
+
+
+def test_position_ids_are_explicit(tiny_pipe):
+    """Relying on the encoder's default positions would shift the suffix (the transformers 5.x bug)."""
+    from krea2_diffusers.conditioning import base_text_model, text_position_ids
+
+    ids, mask, prefix = tokenize_prompts(tiny_pipe.tokenizer, ["a long prompt about a fox in the snow", "hi"])
+    model = base_text_model(tiny_pipe.text_encoder)
+    with torch.no_grad():
+        explicit = model(input_ids=ids, attention_mask=mask, position_ids=text_position_ids(mask), output_hidden_states=True).hidden_states[5]
+        default = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[5]
+        alone_ids, alone_mask, _ = tokenize_prompts(tiny_pipe.tokenizer, ["hi"])
+        alone = model(input_ids=alone_ids, attention_mask=alone_mask, position_ids=text_position_ids(alone_mask), output_hidden_states=True).hidden_states[5]
+    # with explicit positions the padded row equals the unpadded encoding of the same prompt
+    torch.testing.assert_close(explicit[1][mask[1]], alone[0], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(default[1][mask[1]], alone[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("bad", [[], [1, 2], None])
+def test_bad_prompts(tiny_pipe, bad):
+    from krea2_diffusers.conditioning import encode_prompts
+
+    with pytest.raises(ValueError):
+        encode_prompts(tiny_pipe.text_encoder, tiny_pipe.tokenizer, bad)
