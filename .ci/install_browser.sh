@@ -10,5 +10,5 @@ if [ ! -x /usr/bin/chromium ]; then
     $SUDO apt-get update -q
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q chromium
 fi
-python -c "import gradio, gradio_client, playwright" 2>/dev/null || python -m pip install -q "gradio>=5" gradio_client playwright
+python -c "import gradio, gradio_client, playwright" 2>/dev/null || python -m pip install -q "gradio>=6" gradio_client playwright
 /usr/bin/chromium --version

@@ -8,10 +8,13 @@ only to the batch's longest prompt instead of the reference's fixed 512.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 SYSTEM_PREFIX = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
@@ -56,6 +59,10 @@ def tokenize_prompts(tokenizer, prompts: list[str], max_sequence_length: int = D
         [SYSTEM_PREFIX + p for p in prompts], add_special_tokens=False, truncation=True,
         max_length=counts.prefix + max_sequence_length - counts.suffix,
     ).input_ids
+    limit = counts.prefix + max_sequence_length - counts.suffix
+    cut = [i for i, head in enumerate(heads) if len(head) == limit]
+    if cut:
+        logger.warning("prompts %s reach the %d-token limit and may be truncated", cut, max_sequence_length - counts.suffix)
     suffix = tokenizer(ASSISTANT_SUFFIX, add_special_tokens=False).input_ids
     longest = max_sequence_length + counts.prefix if pad_to_max else max(len(h) for h in heads) + counts.suffix
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

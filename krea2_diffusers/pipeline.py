@@ -22,6 +22,7 @@ from . import sampling
 from .conditioning import DEFAULT_MAX_SEQUENCE_LENGTH, TAPPED_LAYERS, encode_prompts, pad_conditioning
 from .latents import PATCH_SIZE, PIXELS_PER_TOKEN, decode_latents, pack_latents, position_ids, round_to_multiple, unpack_latents
 from .presets import preset_for
+from .style import STYLE_MODES
 from .tiny import TINY_LABEL, is_tiny, tiny_components
 from .transformer import Krea2Transformer2DModel
 
@@ -119,6 +120,8 @@ class Krea2Pipeline(DiffusionPipeline):
         the reference's fixed 512 padding gives the same images, so it is not materialised.
         """
         if prompt_embeds is None:
+            if self.text_encoder is None:
+                raise ValueError("the text encoder was released (memory preset); pass prompt_embeds, or reload the pipeline")
             prompts = [prompt] if isinstance(prompt, str) else prompt
             prompt_embeds, prompt_embeds_mask = encode_prompts(
                 self.text_encoder, self.tokenizer, list(prompts), layers=self.config.text_encoder_select_layers,
@@ -191,6 +194,12 @@ class Krea2Pipeline(DiffusionPipeline):
         attention_kwargs: dict | None = None,
         max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH,
         guidance_interval: tuple[float, float] | None = None,
+        creativity: str | None = None,
+        expansion_seed: int | None = None,
+        style_images: list | None = None,
+        style_strengths: list[float] | None = None,
+        style_mode: str = "reference",
+        style_moodboard: bool = False,
     ):
         """Generate images.
 
@@ -207,6 +216,16 @@ class Krea2Pipeline(DiffusionPipeline):
             callback_on_step_end: ``fn(pipe, step, timestep, {name: tensor}) -> dict`` (may replace latents).
             attention_kwargs: ``{"scale": s}`` scales loaded LoRAs.
             guidance_interval: (low, high): apply CFG only for t in [low, high] (t = 1 is noise).
+            creativity: "raw" | "low" | "medium" | "high": expand the prompts first with the text
+                encoder's own LM (see :meth:`expand_prompt`); the text used is in ``output.expanded_prompts``.
+            expansion_seed: seed of the expansion (default 0).
+            style_images: up to 10 reference images (paths or PIL images) whose style steers the image.
+            style_strengths: one strength >= 0 per image (default 1): an additive log(s) bias on the
+                attention to that reference's tokens; 0 removes it exactly.
+            style_mode: "reference" (vision tokens + reference latents; use with a style-reference
+                LoRA) or "describe" (training-free: a cached VLM style description per image).
+            style_moodboard: read up to 32 ``style_images`` together as one direction with a single
+                strength (default 0.35) shared among them.
         """
         preset = self.preset
         steps = preset.num_inference_steps if num_inference_steps is None and sigmas is None else num_inference_steps
@@ -225,6 +244,8 @@ class Krea2Pipeline(DiffusionPipeline):
         if bad_inputs:
             raise ValueError(f"callback_on_step_end_tensor_inputs must be among {self._callback_tensor_inputs}, got {sorted(bad_inputs)}")
         interval = sampling.check_guidance_interval(guidance_interval)
+        if style_mode not in STYLE_MODES:
+            raise ValueError(f"style_mode must be one of {STYLE_MODES}, got {style_mode!r}")
         height, width = self._check_size(height, width)
         if (prompt is None) == (prompt_embeds is None):
             raise ValueError("pass exactly one of `prompt` and `prompt_embeds`")
@@ -232,11 +253,21 @@ class Krea2Pipeline(DiffusionPipeline):
         self._interrupt = False
         do_cfg = guidance > 0
 
-        # 1. Text.
+        # 1. Text (optionally expanded) and style references.
         prompts = self._as_list(prompt, "prompt")
+        expanded = None
+        if creativity is not None:
+            if prompts is None:
+                raise ValueError("creativity needs `prompt` text, not prompt_embeds")
+            prompts = expanded = self.expand_prompt(prompts, creativity=creativity, seed=expansion_seed)
         batch = len(prompts) if prompts is not None else prompt_embeds.shape[0]
         negatives = self._as_list(negative_prompt if negative_prompt is not None else "", "negative_prompt", batch) if do_cfg else None
-        if prompt_embeds is None and (negative_prompt_embeds is None or not do_cfg):
+        style = self._style_batch(prompts, negatives, style_images, style_strengths, style_mode, style_moodboard,
+                                  height, width, max_sequence_length, device)
+        if style is not None:
+            embeds, mask = style.embeds[:batch], style.mask[:batch]
+            neg = (style.embeds[batch:], style.mask[batch:]) if do_cfg else None
+        elif prompt_embeds is None and (negative_prompt_embeds is None or not do_cfg):
             (embeds, mask), neg = self._encode_both(prompts, negatives, max_sequence_length, device)
         else:
             embeds, mask = self.encode_prompt(prompts, device, 1, prompt_embeds, prompt_embeds_mask, max_sequence_length)
@@ -261,12 +292,22 @@ class Krea2Pipeline(DiffusionPipeline):
             raise ValueError(f"latents must be packed as {(total, grid_h * grid_w, self.transformer.config.in_channels)}, got {tuple(latents.shape)}")
         latents = latents.to(device=device, dtype=torch.float32)
         positions = position_ids(all_embeds.shape[1], grid_h, grid_w, device)
+        reference, key_bias = None, None
+        if style is not None:
+            rows = all_embeds.shape[0]
+            if style.latents is not None:
+                positions = torch.cat([positions, style.positions.to(positions)])
+                reference = style.latents[:1].expand(rows, -1, -1)
+            bias = style.key_bias(grid_h * grid_w)
+            key_bias = None if bias is None else bias[:1].expand(rows, -1)
         mu = sampling.schedule_mu(grid_h * grid_w, self.is_distilled)
         times = sampling.sigma_schedule(steps, mu, sigmas).tolist()
         self._num_timesteps = steps
 
         # 3. Everything that does not change across steps, once.
-        conditioning = self.transformer.prepare_conditioning(all_embeds.to(device), positions, all_mask.to(device))
+        conditioning = self.transformer.prepare_conditioning(
+            all_embeds.to(device), positions, all_mask.to(device), reference_hidden_states=reference, key_bias=key_bias
+        )
         cond_only = conditioning.select(slice(0, total)) if do_cfg else conditioning
 
         # 4. Euler steps.
@@ -292,7 +333,40 @@ class Krea2Pipeline(DiffusionPipeline):
             images = self._to_output(images, output_type)
         if not return_dict:
             return (images,)
-        return Krea2PipelineOutput(images=images)
+        return Krea2PipelineOutput(images=images, expanded_prompts=expanded)
+
+    def _style_batch(self, prompts, negatives, style_images, style_strengths, mode, moodboard, height, width,
+                     max_sequence_length, device):
+        """The style-referenced text (prompts then negatives) and reference inputs, or None."""
+        from .references import StyleDescriptionCache, check_style_inputs, load_reference_images
+        from .style import prepare_style_batch
+
+        # Checked before any model work; strengths come back one per image.
+        strengths = check_style_inputs(style_images, style_strengths, moodboard=moodboard)
+        if not strengths:
+            return None
+        if prompts is None:
+            raise ValueError("style_images need `prompt` text, not prompt_embeds")
+        images = load_reference_images(style_images)
+        kept = [(image, s) for image, s in zip(images, strengths) if s > 0]
+        if not kept:  # every reference at strength 0: exactly the plain generation
+            return None
+        if not hasattr(self, "_style_cache"):
+            self._style_cache = StyleDescriptionCache()
+        return prepare_style_batch(self, prompts + (negatives or []), [i for i, _ in kept], [s for _, s in kept], mode=mode,
+                                   height=height, width=width, max_sequence_length=max_sequence_length, device=device,
+                                   cache=self._style_cache)
+
+    def expand_prompt(self, prompt, creativity: str = "medium", seed: int | None = None, max_new_tokens: int = 512, expander=None):
+        """Expand short prompts with the text encoder's own Qwen3-VL LM head (no extra weights), or
+        with ``expander=(model, tokenizer)``. ``creativity="raw"`` returns the prompt unchanged.
+        Returns a str for a str, a list for a list."""
+        from .expander import expand_prompts
+
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        model, tokenizer = expander if expander is not None else (self.text_encoder, self.tokenizer)
+        out = expand_prompts(model, tokenizer, prompts, creativity=creativity, seed=seed, max_new_tokens=max_new_tokens)
+        return out[0] if isinstance(prompt, str) else out
 
     def _velocity(self, latents, t, conditioning, cond_only, guidance, interval, attention_kwargs, total):
         """The (guided) velocity (B, N, 64) at time t; one transformer pass when CFG is batched."""
@@ -325,9 +399,23 @@ class Krea2Pipeline(DiffusionPipeline):
             return array
         return [PIL.Image.fromarray((a * 255).round().astype(np.uint8)) for a in array]
 
+    def enable_memory_preset(self, memory: str = "auto", device=None) -> str:
+        """Fit the pipeline into a memory budget (``auto``, ``high``, ``24gb``, ``16gb``, ``12gb``,
+        ``8gb``): offload, fp8/NF4 storage, freeing the text encoder... Returns what was chosen."""
+        from .memory import apply_memory_preset
+
+        return apply_memory_preset(self, memory, device=device)
+
     # ------------------------------------------------------------------ adapters
     def load_lora_weights(self, pretrained_model_name_or_path_or_dict, adapter_name: str | None = None, strength: float = 1.0, **kwargs):
         """Load a LoRA in diffusers/PEFT, ComfyUI/native or kohya format onto the transformer."""
         from .lora import load_lora_into_transformer
 
         return load_lora_into_transformer(self.transformer, pretrained_model_name_or_path_or_dict, adapter_name=adapter_name, strength=strength, **kwargs)
+
+    def unload_lora_weights(self) -> None:
+        """Remove every loaded LoRA; the base weights were never modified."""
+        names = list(getattr(self.transformer, "_krea2_lora_strengths", {}))
+        if names:
+            self.transformer.delete_adapters(names)
+            self.transformer._krea2_lora_strengths = {}

@@ -35,15 +35,24 @@ class Krea2Conditioning:
 
     Attributes:
         text: (B, L, D) projected text tokens.
-        attention_bias: None (no padding), bool keep-mask or float additive bias, (B, L + N).
-        rope: (cos, sin), each (1, L + N, 1, head_dim) float32.
+        attention_bias: None (no padding, no weights), bool keep-mask or float additive bias on the
+            keys, (B, L + N + R).
+        rope: (cos, sin), each (1, L + N + R, 1, head_dim) float32.
         text_len: L.
+        reference: (B, R, D) projected clean reference tokens (style references), or None.
+        reference_modulation: (B, 1, 6, D) shared modulation of timestep 0 for the reference tokens.
     """
 
     text: torch.Tensor
     attention_bias: torch.Tensor | None
     rope: tuple[torch.Tensor, torch.Tensor]
     text_len: int
+    reference: torch.Tensor | None = None
+    reference_modulation: torch.Tensor | None = None
+
+    @property
+    def reference_len(self) -> int:
+        return 0 if self.reference is None else self.reference.shape[1]
 
     @property
     def batch_size(self) -> int:
@@ -51,8 +60,9 @@ class Krea2Conditioning:
 
     def select(self, index: slice | torch.Tensor) -> "Krea2Conditioning":
         """The conditioning of a subset of the batch (e.g. only the conditional CFG branch)."""
-        bias = None if self.attention_bias is None else self.attention_bias[index]
-        return replace(self, text=self.text[index], attention_bias=bias)
+        pick = lambda x: None if x is None else x[index]
+        return replace(self, text=self.text[index], attention_bias=pick(self.attention_bias),
+                       reference=pick(self.reference), reference_modulation=pick(self.reference_modulation))
 
 
 def _modulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -77,14 +87,34 @@ class Krea2Block(nn.Module):
         time_modulation: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         attention_bias: torch.Tensor | None,
+        reference_modulation: torch.Tensor | None = None,
+        reference_len: int = 0,
     ) -> torch.Tensor:
-        """hidden_states (B, S, D); time_modulation (B, 1, 6, D) shared by all blocks."""
-        mod = (time_modulation + self.scale_shift_table.to(time_modulation.dtype)).to(hidden_states.dtype)
-        prescale, preshift, pregate, postscale, postshift, postgate = mod.unbind(2)
-        attn_in = (1 + prescale) * self.norm1(hidden_states) + preshift
-        hidden_states = hidden_states + pregate * self.attn(attn_in, attention_bias, rope)
-        ff_in = (1 + postscale) * self.norm2(hidden_states) + postshift
-        return hidden_states + postgate * self.ff(ff_in)
+        """hidden_states (B, S, D); time_modulation (B, 1, 6, D) shared by all blocks.
+
+        With ``reference_modulation``, the last ``reference_len`` tokens (clean style references)
+        are modulated with it (timestep 0) instead of ``time_modulation``.
+        """
+        table = self.scale_shift_table.to(time_modulation.dtype)
+        mods = [(time_modulation + table).to(hidden_states.dtype).unbind(2)]
+        lengths = [hidden_states.shape[1] - reference_len]
+        if reference_modulation is not None and reference_len:
+            mods.append((reference_modulation + table).to(hidden_states.dtype).unbind(2))
+            lengths.append(reference_len)
+
+        def modulate(x, scale, shift):
+            if len(mods) == 1:
+                return (1 + mods[0][scale]) * x + mods[0][shift]
+            return torch.cat([(1 + m[scale]) * part + m[shift] for m, part in zip(mods, x.split(lengths, 1))], 1)
+
+        def gated(x, gate):
+            if len(mods) == 1:
+                return mods[0][gate] * x
+            return torch.cat([m[gate] * part for m, part in zip(mods, x.split(lengths, 1))], 1)
+
+        # modulation rows: prescale, preshift, pregate, postscale, postshift, postgate
+        hidden_states = hidden_states + gated(self.attn(modulate(self.norm1(hidden_states), 0, 1), attention_bias, rope), 2)
+        return hidden_states + gated(self.ff(modulate(self.norm2(hidden_states), 3, 4)), 5)
 
 
 class TextFusion(nn.Module):
@@ -100,7 +130,10 @@ class TextFusion(nn.Module):
             PlainBlock(dim, num_heads, num_kv_heads, hidden_dim, eps) for _ in range(num_refiner)
         )
 
-    def forward(self, encoder_hidden_states: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, encoder_hidden_states: torch.Tensor, mask: torch.Tensor | None,
+                attention_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """mask (B, L) bool marks real tokens; the refiner attends with ``attention_bias`` (B, L)
+        (float, e.g. per-group log strengths) when given, else with ``mask``."""
         batch, length, layers, dim = encoder_hidden_states.shape
         stacks = encoder_hidden_states.reshape(batch * length, layers, dim)
         keep = None if mask is None else mask.reshape(-1).nonzero().squeeze(-1)
@@ -112,8 +145,9 @@ class TextFusion(nn.Module):
             fused = stacks.new_zeros(stacks.shape).index_copy(0, keep, fused)
         # Collapse the layer axis: (B, L, layers, Dt) -> (B, L, Dt).
         text = self.projector(fused.view(batch, length, layers, dim).transpose(2, 3)).squeeze(-1)
+        refiner_bias = mask if attention_bias is None else attention_bias
         for block in self.refiner_blocks:
-            text = block(text, mask)
+            text = block(text, refiner_bias)
         return text
 
 
@@ -228,13 +262,21 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         encoder_hidden_states: torch.Tensor,
         position_ids: torch.Tensor,
         encoder_attention_mask: torch.Tensor | None = None,
+        *,
+        reference_hidden_states: torch.Tensor | None = None,
+        key_bias: torch.Tensor | None = None,
     ) -> Krea2Conditioning:
         """Run the timestep-independent part of the forward once.
 
         Args:
             encoder_hidden_states: (B, L, num_text_layers, text_hidden_dim) tapped encoder states.
-            position_ids: (L + N, 3) (t, h, w) RoPE coordinates of [text, image] tokens.
+            position_ids: (L + N + R, 3) (t, h, w) RoPE coordinates of [text, image, references].
             encoder_attention_mask: (B, L) bool, True for real text tokens; None when all are real.
+            reference_hidden_states: (B, R, in_channels) packed clean latents of style references,
+                modulated as timestep 0 and appended after the image tokens.
+            key_bias: (B, L + N + R) float additive bias on attention logits per key (e.g. log of a
+                reference's strength), applied in every attention layer; its first L entries also in
+                the text-fusion refiner.
         """
         if position_ids.ndim != 2 or position_ids.shape[-1] != 3:
             raise ValueError(f"position_ids must have shape (sequence_length, 3), got {tuple(position_ids.shape)}")
@@ -246,12 +288,31 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
                 raise ValueError(f"encoder_attention_mask has shape {tuple(mask.shape)}, expected {(batch, text_len)}")
             if bool(mask.all()):
                 mask = None  # no padding: let attention run unmasked (flash kernels)
-        text = self.text_fusion(encoder_hidden_states.to(self.compute_dtype), mask)
-        text = self.txt_in(text)
-        image_len = position_ids.shape[0] - text_len
-        bias = None if mask is None else torch.cat([mask, mask.new_ones(batch, image_len)], dim=1)
-        cos, sin = rope_tables(position_ids.to(text.device), self.config.axes_dims_rope, self.config.rope_theta)
-        return Krea2Conditioning(text=text, attention_bias=bias, rope=(cos[None, :, None], sin[None, :, None]), text_len=text_len)
+        device = encoder_hidden_states.device
+        seq_len = position_ids.shape[0]
+        bias = None if mask is None else torch.cat([mask, mask.new_ones(batch, seq_len - text_len)], dim=1)
+        if key_bias is not None:
+            if key_bias.shape != (batch, seq_len):
+                raise ValueError(f"key_bias has shape {tuple(key_bias.shape)}, expected {(batch, seq_len)}")
+            key_bias = key_bias.to(device=device, dtype=torch.float32)
+            bias = key_bias if bias is None else key_bias.masked_fill(~bias, float("-inf"))
+        text_bias = None if key_bias is None else bias[:, :text_len]
+        text = self.txt_in(self.text_fusion(encoder_hidden_states.to(self.compute_dtype), mask, text_bias))
+        cos, sin = rope_tables(position_ids.to(device), self.config.axes_dims_rope, self.config.rope_theta)
+        reference = reference_modulation = None
+        if reference_hidden_states is not None and reference_hidden_states.shape[1]:
+            dtype = self.compute_dtype
+            reference = self.img_in(reference_hidden_states.to(device=device, dtype=dtype))
+            zero = torch.zeros(batch, device=device)
+            reference_modulation = self._time_modulation(zero, dtype)[1]
+        return Krea2Conditioning(text=text, attention_bias=bias, rope=(cos[None, :, None], sin[None, :, None]),
+                                 text_len=text_len, reference=reference, reference_modulation=reference_modulation)
+
+    def _time_modulation(self, timestep: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B,) t -> temb (B, D) and the shared block modulation (B, 1, 6, D)."""
+        temb = self.time_embed(timestep, dtype)
+        modulation = self.time_mod_proj(F.gelu(temb, approximate="tanh"))
+        return temb, modulation.to(_modulation_dtype(dtype)).view(timestep.shape[0], 1, 6, -1)
 
     @apply_lora_scale("attention_kwargs")
     def forward(
@@ -291,20 +352,21 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
             raise ValueError(f"conditioning has batch {conditioning.batch_size}, hidden_states has {batch}")
         timestep = timestep.reshape(-1).expand(batch) if timestep.numel() == 1 else timestep.reshape(batch)
 
-        temb = self.time_embed(timestep, dtype)
-        time_modulation = self.time_mod_proj(F.gelu(temb, approximate="tanh"))
-        time_modulation = time_modulation.to(_modulation_dtype(dtype)).view(batch, 1, 6, -1)
-
-        tokens = torch.cat([conditioning.text.to(dtype), self.img_in(hidden_states.to(dtype))], dim=1)
+        temb, time_modulation = self._time_modulation(timestep, dtype)
+        parts = [conditioning.text.to(dtype), self.img_in(hidden_states.to(dtype))]
+        if conditioning.reference is not None:
+            parts.append(conditioning.reference.to(dtype))
+        tokens = torch.cat(parts, dim=1)
+        block_args = (time_modulation, conditioning.rope, conditioning.attention_bias,
+                      conditioning.reference_modulation, conditioning.reference_len)
         for block in self.transformer_blocks:
             if torch.is_grad_enabled() and self.gradient_checkpointing:
-                tokens = self._gradient_checkpointing_func(
-                    block, tokens, time_modulation, conditioning.rope, conditioning.attention_bias
-                )
+                tokens = self._gradient_checkpointing_func(block, tokens, *block_args)
             else:
-                tokens = block(tokens, time_modulation, conditioning.rope, conditioning.attention_bias)
+                tokens = block(tokens, *block_args)
 
-        output = self.final_layer(tokens[:, conditioning.text_len:], temb)
+        image_end = conditioning.text_len + hidden_states.shape[1]
+        output = self.final_layer(tokens[:, conditioning.text_len:image_end], temb)
         if not return_dict:
             return (output,)
         return Transformer2DModelOutput(sample=output)

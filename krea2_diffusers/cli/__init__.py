@@ -8,7 +8,7 @@ import logging
 import sys
 
 # Subcommand modules under krea2_diffusers.cli, in help order.
-COMMANDS = ("generate", "convert", "quantize")
+COMMANDS = ("generate", "convert", "quantize", "expand", "train")
 
 
 def build_parser() -> argparse.ArgumentParser:

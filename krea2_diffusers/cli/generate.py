@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from ..memory import MEMORY_PRESETS
 from ..metadata import save_png
 
 
@@ -29,6 +30,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--output", default="outputs/krea2.png", help="PNG path; batches get -0, -1, ... suffixes")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    p.add_argument("--memory", default=None, choices=MEMORY_PRESETS, help="fit a memory budget (prints what it chose)")
+    p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
+                   help="a LoRA file (diffusers, ComfyUI or kohya format); repeatable")
+    p.add_argument("--creativity", choices=("raw", "low", "medium", "high"), default=None,
+                   help="expand the prompt with the text encoder's LM before generating")
+    p.add_argument("--style-ref", action="append", default=[], metavar="IMAGE[:STRENGTH]",
+                   help="style reference image with its strength (default 1); repeatable, up to 10")
+    p.add_argument("--style-mode", choices=("reference", "describe"), default="reference",
+                   help="reference: vision tokens + reference latents (use a style-reference LoRA); describe: training-free")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     return p
 
@@ -58,24 +68,48 @@ def run(args) -> int:
     existing = [str(p) for p in paths if p.exists()]
     if existing and not args.overwrite:
         raise ValueError(f"refusing to overwrite {existing}; pass --overwrite or choose another --output")
+    from ..references import parse_style_ref
+
+    style = [parse_style_ref(spec) for spec in args.style_ref]
+    loras = [parse_style_ref(spec) for spec in args.lora]  # same PATH[:NUMBER] syntax
+    for path, _ in style + loras:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"{path}: no such file")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     pipe = load_pipeline(Krea2Pipeline, args.model, text_encoder=args.text_encoder, vae=args.vae,
-                         torch_dtype=resolve_dtype(args.dtype, device), is_distilled=args.is_distilled, device=device)
+                         torch_dtype=resolve_dtype(args.dtype, device), is_distilled=args.is_distilled,
+                         device=None if args.memory else device)
     if pipe.label:
         print(f"model: {pipe.label}")
+    for path, strength in loras:
+        pipe.load_lora_weights(path, strength=strength)
+    if args.memory:
+        print(f"memory: {pipe.enable_memory_preset(args.memory, device=device)}")
     generators = [torch.Generator(device).manual_seed(args.seed + i) for i in range(args.num_images)]
     result = pipe(args.prompt, negative_prompt=args.negative, height=args.height, width=args.width,
                   num_inference_steps=args.steps, guidance_scale=args.guidance,
-                  num_images_per_prompt=args.num_images, generator=generators)
+                  num_images_per_prompt=args.num_images, generator=generators, creativity=args.creativity,
+                  expansion_seed=args.seed, style_images=[p for p, _ in style] or None,
+                  style_strengths=[s for _, s in style] or None, style_mode=args.style_mode)
+    if result.expanded_prompts is not None:
+        print(f"expanded prompt: {result.expanded_prompts[0]}")
     preset = pipe.preset
     steps = args.steps if args.steps is not None else preset.num_inference_steps
     guidance = args.guidance if args.guidance is not None else preset.guidance_scale
     for i, (image, path) in enumerate(zip(result.images, paths)):
         settings = {
-            "prompt": args.prompt, "negative_prompt": args.negative or "", "seed": args.seed + i, "steps": steps,
+            "prompt": result.expanded_prompts[0] if result.expanded_prompts else args.prompt,
+            "negative_prompt": args.negative or "", "seed": args.seed + i, "steps": steps,
             "guidance_scale": guidance, "guidance_convention": "krea (standard = value + 1)",
             "width": image.width, "height": image.height, "model": pipe.label or args.model,
         }
+        if args.creativity:
+            settings.update(original_prompt=args.prompt, creativity=args.creativity)
+        if style:
+            settings["style_references"] = [{"image": str(p), "strength": s} for p, s in style]
+            settings["style_mode"] = args.style_mode
+        if loras:
+            settings["loras"] = [{"path": str(p), "strength": s} for p, s in loras]
         save_png(image, path, settings)
         print(f"wrote {path}")
     return 0

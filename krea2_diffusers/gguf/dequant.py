@@ -45,8 +45,8 @@ def _bits(packed: torch.Tensor) -> torch.Tensor:
 
 def _blocks_q8_0(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     d = _fp16(b[:, :FP16_BYTES], dtype)
-    q = b[:, FP16_BYTES:].contiguous().view(torch.int8)
-    return d * q.to(dtype)
+    q = b[:, FP16_BYTES:].view(torch.int8)  # same element size: a strided view, no copy
+    return q.to(dtype).mul_(d)
 
 
 def _blocks_q4_0(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -32,11 +32,8 @@ def _diffusers_name(path: str, name: str, layout: str) -> str:
 
 
 def _float_tensor(t: GGUFTensor, dtype: torch.dtype) -> torch.Tensor:
-    """Payload as a ``dtype`` tensor of the logical shape (BF16 and quantized bytes are expanded)."""
-    raw = t.to_torch_bytes()
-    if raw.dtype == torch.uint8:
-        return dequantize(raw, t.qtype, t.shape, dtype)
-    return raw.reshape(t.shape).to(dtype)
+    """Payload as a ``dtype`` tensor of the logical shape (float types are decoded from bytes too)."""
+    return dequantize(t.read_bytes(), t.qtype, t.shape, dtype)
 
 
 def _keeps_fp32(name: str, keep_modules) -> bool:
@@ -76,9 +73,13 @@ def load_gguf_transformer(cls, path, *, config: dict | None = None, torch_dtype:
     if config is None:
         if layout != "original":
             raise GGUFFormatError(f"{path}: a diffusers-named GGUF needs `config=` (the shapes are only mapped for original names)")
+        from ..files import CheckpointError
         from ..loading import infer_config_from_shapes
 
-        config = infer_config_from_shapes({name: t.shape for name, t in tensors.items()})
+        try:
+            config = infer_config_from_shapes({name: t.shape for name, t in tensors.items()})
+        except CheckpointError as err:
+            raise GGUFFormatError(f"{path}: {err}") from None
 
     with torch.device("meta"):
         model = cls(**config)
@@ -96,7 +97,7 @@ def load_gguf_transformer(cls, path, *, config: dict | None = None, torch_dtype:
             parent, child, meta = linear
             if t.shape != expected[target]:
                 raise GGUFFormatError(f"{path}: tensor {name!r} has shape {t.shape}, the config expects {expected[target]}")
-            packed = t.to_torch_bytes().reshape(t.shape[0], -1)
+            packed = t.read_bytes().reshape(t.shape[0], -1)
             setattr(parent, child, PackedLinear(meta.in_features, meta.out_features, t.qtype, packed, bias=None))
             loaded.add(target)
             continue
@@ -107,7 +108,7 @@ def load_gguf_transformer(cls, path, *, config: dict | None = None, torch_dtype:
     for target, value in state.items():
         if tuple(value.shape) != expected[target]:
             raise GGUFFormatError(f"{path}: tensor {target!r} has shape {tuple(value.shape)}, the config expects {expected[target]}")
-    # Biases of packed linears are plain entries of `state`; assign() fills the PackedLinear's meta-free slot.
+    # A PackedLinear is built without a bias (load_state_dict finds no slot for it): attach the file's bias directly.
     for target in list(state):
         owner = _linear_at(model, target[: -len(".bias")] + ".weight") if target.endswith(".bias") else None
         if owner is not None and isinstance(owner[2], PackedLinear):

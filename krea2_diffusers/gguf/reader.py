@@ -13,12 +13,11 @@ import os
 import warnings
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from ..convert import DORMANT_ORIGINAL_PREFIXES, is_original_layout, strip_original_prefix
-from .qtypes import FLOAT_TYPES, READABLE_TYPES, block_geometry, type_name
+from .qtypes import READABLE_TYPES, block_geometry, type_name
 
 Q = GGMLQuantizationType
 
@@ -42,26 +41,38 @@ class GGUFFormatError(ValueError):
 
 @dataclass
 class GGUFTensor:
-    """One tensor of a GGUF file.
+    """One tensor of a GGUF file, located but not read yet.
 
     Attributes:
         qtype: GGML storage type.
         shape: logical shape (``comfy.gguf.orig_shape`` when present), PyTorch order, e.g. ``(out, in)``.
-        data: raw payload, a read-only numpy view into the memory-mapped file: float for
-            F32/F16, uint8 bytes for BF16 and quantized types.
+        path, offset, nbytes: where its payload lies in the file.
     """
 
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]
-    data: np.ndarray
+    path: str
+    offset: int
+    nbytes: int
 
-    @property
-    def is_float(self) -> bool:
-        return self.qtype in FLOAT_TYPES
+    def read_bytes(self) -> torch.Tensor:
+        """The raw payload as a fresh uint8 ``(nbytes,)`` CPU tensor.
 
-    def to_torch_bytes(self) -> torch.Tensor:
-        """The payload copied into RAM as a torch tensor (uint8 bytes, or float for F32/F16)."""
-        return torch.from_numpy(np.array(self.data, copy=True))
+        Read with plain file reads rather than through gguf-py's memory map: touching the map
+        would add the file's pages to this process's RSS on top of the copy, doubling the
+        peak memory of a load.
+        """
+        buffer = torch.empty(self.nbytes, dtype=torch.uint8)
+        view = memoryview(buffer.numpy())
+        with open(self.path, "rb", buffering=0) as handle:
+            handle.seek(self.offset)
+            done = 0
+            while done < self.nbytes:
+                n = handle.readinto(view[done:])
+                if not n:
+                    raise GGUFFormatError(f"{self.path}: truncated file while reading a {self.qtype.name} tensor at byte {self.offset}")
+                done += n
+        return buffer
 
 
 class _CheckedReader(GGUFReader):
@@ -71,6 +82,8 @@ class _CheckedReader(GGUFReader):
         self._path = path
         super().__init__(path)
 
+    # gguf-py's internal step after parsing the tensor infos (checked with gguf 0.19). Should a
+    # future version rename it, this check is skipped and open_reader still names the file.
     def _build_tensors(self, start_offs, fields):
         file_size = len(self.data)
         for field in fields:
@@ -113,7 +126,7 @@ def open_reader(path: str | os.PathLike) -> GGUFReader:
     except GGUFFormatError:
         raise
     except Exception as exc:  # gguf-py raises bare ValueError/IndexError/... on malformed headers
-        raise GGUFFormatError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+        raise GGUFFormatError(f"{path}: not a readable GGUF file (corrupt or truncated header; gguf: {type(exc).__name__}: {exc})") from exc
 
 
 def _check_architecture(path: str, arch, names: set[str]) -> str:
@@ -148,6 +161,8 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict[str, GGUFTensor], str, str 
     """
     path = os.fspath(path)
     reader = open_reader(path)
+    if reader.byte_order != "I":
+        raise GGUFFormatError(f"{path}: big-endian GGUF files are not supported")
     arch = _field_value(reader, ARCH_KEY)
     tensors: dict[str, GGUFTensor] = {}
     dormant = []
@@ -165,7 +180,7 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict[str, GGUFTensor], str, str 
         shape = tuple(orig) if orig else tuple(int(d) for d in reversed(t.shape.tolist()))
         if math.prod(shape) != int(t.n_elements):
             raise GGUFFormatError(f"{path}: tensor {name!r}: {ORIG_SHAPE_PREFIX}{t.name} = {shape} does not match its {t.n_elements} values")
-        tensors[name] = GGUFTensor(qtype=t.tensor_type, shape=shape, data=t.data)
+        tensors[name] = GGUFTensor(qtype=t.tensor_type, shape=shape, path=path, offset=int(t.data_offset), nbytes=int(t.n_bytes))
     if dormant:
         warnings.warn(f"{path}: ignoring {len(dormant)} unused tensor(s) the model never reads: {dormant}", stacklevel=2)
     layout = _check_architecture(path, arch, set(tensors))

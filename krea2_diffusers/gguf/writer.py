@@ -100,7 +100,7 @@ def quantize_checkpoint(src, dst, qtype: str, *, overwrite: bool = False) -> dic
     if dst.exists() and (dst.resolve() == src.resolve() or os.path.samefile(dst, src)):
         raise CheckpointError(f"{dst}: refusing to overwrite the input checkpoint")
     if dst.exists() and not overwrite:
-        raise FileExistsError(f"{dst} already exists (pass --force to replace it)")
+        raise ValueError(f"{dst} already exists; choose a new output path (or pass --force to replace it)")
     target = WRITABLE_TYPES[qtype]
     header, _, _ = read_safetensors_header(src)
     plan = _plan(src, header)
@@ -109,8 +109,8 @@ def quantize_checkpoint(src, dst, qtype: str, *, overwrite: bool = False) -> dic
     dst.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
     os.close(fd)
+    writer = GGUFWriter(tmp, arch=ARCHITECTURE)
     try:
-        writer = GGUFWriter(tmp, arch=ARCHITECTURE)
         writer.add_quantization_version(GGML_QUANT_VERSION)
         for _, name, shape in plan:
             gtype = types[name]
@@ -125,10 +125,15 @@ def quantize_checkpoint(src, dst, qtype: str, *, overwrite: bool = False) -> dic
         writer.write_ti_data_to_file()
         for src_name, name, shape in plan:
             values = read_safetensors(src, [src_name])[src_name].reshape(shape)
-            writer.write_tensor_data(_encode(values, types[name]))
+            try:
+                encoded = _encode(values, types[name])
+            except ValueError as err:
+                raise CheckpointError(f"{src}: tensor {src_name!r}: {err}") from None
+            writer.write_tensor_data(encoded)
         writer.close()
         os.replace(tmp, dst)
     except BaseException:
+        writer.close()
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise

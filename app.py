@@ -1,0 +1,152 @@
+"""Krea 2 demo in the browser (Gradio).
+
+    python app.py --model tiny-random                # offline, random weights (tests the plumbing)
+    python app.py --model krea-2-turbo.safetensors --raw-model krea-2-raw.safetensors
+    python app.py --model path/to/diffusers-folder --port 7860 --share
+
+The generate function is also an API endpoint, ``/generate`` (prompt first), e.g. with gradio_client:
+``Client("http://127.0.0.1:7860").predict("a red fox in snow", api_name="/generate")``.
+The UI-independent logic lives in ``krea2_diffusers/demo.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import gradio as gr
+import torch
+
+from krea2_diffusers import Krea2Pipeline
+from krea2_diffusers.assembly import load_pipeline
+from krea2_diffusers.demo import (
+    CREATIVITY, MAX_SEED, STYLE_MODES, Demo, InputError, Limits, Request, parse_lora, random_seed,
+)
+from krea2_diffusers.memory import MEMORY_PRESETS, apply_memory_preset
+
+GUIDANCE_LABEL = "Guidance (Krea scale: 0 = off; the usual CFG scale is this + 1)"
+REFERENCE_SLOTS = 4  # style-reference inputs of the UI and of /generate
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny-random", help="tiny-random, a diffusers folder or hub id, or a .safetensors/.gguf transformer")
+    p.add_argument("--raw-model", default=None, help="a second checkpoint, offered as RAW next to --model's Turbo")
+    p.add_argument("--turbo", dest="is_distilled", action="store_const", const=True, default=None, help="--model is Turbo (default: guessed from its name)")
+    p.add_argument("--raw", dest="is_distilled", action="store_const", const=False, help="--model is RAW")
+    p.add_argument("--text-encoder", default=None, help="Qwen3-VL-4B-Instruct hub id or folder (for single-file models)")
+    p.add_argument("--vae", default=None, help="Qwen-Image VAE hub id or folder (for single-file models)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None, help="default: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--memory", choices=MEMORY_PRESETS, default="auto", help="memory preset (auto: fit the GPU found)")
+    p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
+                   help="LoRA to apply to every model (repeatable), e.g. the style-reference LoRA for style mode 'reference'")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 to serve your network)")
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--share", action="store_true", help="also serve through a public gradio.live link")
+    p.add_argument("--max-queue", type=int, default=20, help="requests that may wait; more are turned away")
+    p.add_argument("--max-side", type=int, default=Limits.max_side, help="largest image side allowed, in pixels")
+    p.add_argument("--max-steps", type=int, default=Limits.max_steps)
+    p.add_argument("--max-expansion-tokens", type=int, default=Limits.max_expansion_tokens, help="longest prompt expansion")
+    return p.parse_args(argv)
+
+
+def make_demo(args) -> Demo:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+
+    def load(model: str, is_distilled: bool):
+        pipe = load_pipeline(Krea2Pipeline, model, text_encoder=args.text_encoder, vae=args.vae, torch_dtype=dtype,
+                             is_distilled=is_distilled)
+        for path, strength in map(parse_lora, args.lora):
+            pipe.load_lora_weights(path, strength=strength)
+        print(f"{model}: {apply_memory_preset(pipe, args.memory, device=device)}")
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    limits = Limits(max_side=args.max_side, max_steps=args.max_steps, max_references=REFERENCE_SLOTS,
+                    max_expansion_tokens=args.max_expansion_tokens)
+    demo = Demo(Demo.variants_for(args.model, args.raw_model, args.is_distilled), load,
+                output_dir=tempfile.mkdtemp(prefix="krea2-app-"), limits=limits)
+    demo.pipeline(next(iter(demo.models)))  # load the first model now: errors show at startup, not on first click
+    return demo
+
+
+def build_ui(demo: Demo) -> gr.Blocks:
+    variants, limits = list(demo.models), demo.limits
+    preset = demo.preset(variants[0])
+
+    def generate(prompt, negative_prompt="", model=variants[0], creativity="raw", size=next(iter(demo.sizes)),
+                 steps=preset.num_inference_steps, guidance=preset.guidance_scale, seed=0, randomize_seed=False,
+                 image_1=None, strength_1=1.0, image_2=None, strength_2=1.0, image_3=None, strength_3=1.0,
+                 image_4=None, strength_4=1.0, style_mode=STYLE_MODES[0], progress=gr.Progress()):
+        """Generate one image; returns (image with settings, PNG file, settings, expanded prompt, seed used)."""
+        pairs = [(image_1, strength_1), (image_2, strength_2), (image_3, strength_3), (image_4, strength_4)]
+        seed = random_seed() if randomize_seed else int(seed if seed is not None else 0)
+        request = Request(
+            prompt=prompt, negative_prompt=negative_prompt or "", variant=model, size=size,
+            steps=None if steps is None else int(steps), guidance=None if guidance is None else float(guidance), seed=seed,
+            creativity=creativity or "raw", style_images=[i for i, _ in pairs if i is not None],
+            style_strengths=[s for i, s in pairs if i is not None], style_mode=style_mode or STYLE_MODES[0],
+        )
+        try:
+            result = demo.generate(request, progress=lambda step, total, what="Sampling": progress((step, total), desc=what, unit="steps"))
+        except (InputError, ValueError) as err:
+            raise gr.Error(str(err), title="Cannot generate") from None
+        return str(result.png_path), str(result.png_path), result.settings, result.expanded_prompt or "", seed
+
+    with gr.Blocks(title="Krea 2", analytics_enabled=False) as ui:
+        gr.Markdown(f"# Krea 2\nModel: **{demo.label()}**")
+        with gr.Row():
+            with gr.Column():
+                prompt = gr.Textbox(label="Prompt", lines=3, max_length=limits.max_prompt_chars, elem_id="prompt",
+                                    placeholder="A red fox asleep in fresh snow, morning light")
+                negative = gr.Textbox(value="", label="Negative prompt", max_length=limits.max_prompt_chars,
+                                      info="Used when guidance is on (RAW). Empty is fine.")
+                creativity = gr.Radio(list(CREATIVITY), value="raw", label="Creativity",
+                                      info="raw renders only what you wrote; low / medium / high expand it more freely.")
+                button = gr.Button("Generate", variant="primary", elem_id="generate")
+                model = gr.Radio(variants, value=variants[0], label="Model",
+                                 info="Turbo: 8 steps, guidance off. RAW: 52 steps, guidance 3.5.")
+                size = gr.Dropdown(list(demo.sizes), value=next(iter(demo.sizes)), label="Size")
+                steps = gr.Slider(1, limits.max_steps, value=preset.num_inference_steps, step=1, label="Steps")
+                guidance = gr.Slider(0, limits.max_guidance, value=preset.guidance_scale, step=0.1, label=GUIDANCE_LABEL)
+                with gr.Row():
+                    seed = gr.Number(value=0, precision=0, minimum=0, maximum=MAX_SEED, label="Seed")
+                    randomize = gr.Checkbox(value=True, label="Randomise seed")
+                references = []
+                with gr.Accordion("Style references", open=False):
+                    style_mode = gr.Radio(list(STYLE_MODES), value=STYLE_MODES[0], label="Style mode",
+                                          info="describe: works without a LoRA; reference: the images themselves "
+                                               "(start the app with the style-reference LoRA, --lora).")
+                    for i in range(REFERENCE_SLOTS):
+                        with gr.Row():
+                            references.append(gr.Image(type="pil", label=f"Reference {i + 1}", height=160))
+                            references.append(gr.Slider(0, 2, value=1, step=0.05, label="Strength",
+                                                        info="0 = ignored, 1 = plain reference"))
+            with gr.Column():
+                image = gr.Image(label="Image (its PNG carries the settings)", type="filepath", format="png",
+                                 interactive=False, elem_id="result", height=512)
+                expanded = gr.Textbox(label="Expanded prompt (what the model read)", interactive=False)
+                png = gr.File(label="Download PNG with settings")
+                settings = gr.JSON(label="Settings")
+
+        model.change(lambda v: (demo.preset(v).num_inference_steps, demo.preset(v).guidance_scale), model, [steps, guidance],
+                     api_visibility="private")
+        button.click(generate, [prompt, negative, model, creativity, size, steps, guidance, seed, randomize, *references, style_mode],
+                     [image, png, settings, expanded, seed], api_name="generate", concurrency_limit=1)
+    return ui
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    demo = make_demo(args)
+    print(f"Krea 2 demo: {demo.label()}")
+    ui = build_ui(demo)
+    ui.queue(max_size=args.max_queue, default_concurrency_limit=1)
+    ui.launch(server_name=args.host, server_port=args.port, share=args.share, show_error=True, ssr_mode=False,
+              max_file_size="20mb")
+
+
+if __name__ == "__main__":
+    main()

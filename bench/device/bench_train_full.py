@@ -1,0 +1,164 @@
+"""LoRA training step on the full-size Krea 2 transformer (12.8B, random weights), one GPU, 1024 px.
+
+    python bench/device/bench_train_full.py                  # 4 variants: grad checkpointing x {AdamW, 8-bit AdamW}
+    python bench/device/bench_train_full.py --tiny           # CPU dry run of the same code on a tiny config
+    python bench/device/bench_train_full.py --variants ckpt-adamw8bit --steps 5
+
+One step = forward + backward + optimizer step of the LoRA (rank --rank, alpha = rank, targets:
+attention q/k/v/out/gate and SwiGLU gate/up/down of all 28 blocks) on a batch of --batch images at
+1024x1024 (4096 image tokens) with --text-len text tokens, bf16 base weights and autocast, fp32
+LoRA weights. Random weights and inputs: speed and memory are those of real ones, no download.
+It drives the training code itself (finetune.methods / objective / optim), not a copy.
+Prints one row per variant: s/step (mean after warm-up) and peak allocated GPU memory.
+8-bit AdamW needs bitsandbytes; without it that variant is reported as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
+
+from finetune.config import LoRAConfig, ObjectiveConfig, OptimizerConfig  # noqa: E402
+from finetune.methods import add_lora  # noqa: E402
+from finetune.objective import add_noise, flow_matching_loss, sample_timesteps  # noqa: E402
+from finetune.optim import make_optimizer  # noqa: E402
+from krea2_diffusers.latents import position_ids  # noqa: E402
+from krea2_diffusers.transformer import Krea2Transformer2DModel  # noqa: E402
+
+FULL_CONFIG = dict(  # the released model (ARCHITECTURE.md)
+    in_channels=64, num_layers=28, attention_head_dim=128, num_attention_heads=48, num_key_value_heads=12,
+    intermediate_size=16384, timestep_embed_dim=256, text_hidden_dim=2560, num_text_layers=12,
+    text_num_attention_heads=20, text_num_key_value_heads=20, text_intermediate_size=6912,
+    num_layerwise_text_blocks=2, num_refiner_text_blocks=2, axes_dims_rope=(32, 48, 48),
+)
+TINY_CONFIG = dict(
+    in_channels=64, num_layers=2, attention_head_dim=16, num_attention_heads=4, num_key_value_heads=2,
+    intermediate_size=128, timestep_embed_dim=32, text_hidden_dim=32, num_text_layers=12,
+    text_num_attention_heads=2, text_num_key_value_heads=2, text_intermediate_size=64,
+    num_layerwise_text_blocks=2, num_refiner_text_blocks=2, axes_dims_rope=(4, 6, 6),
+)
+VARIANTS = {  # name: (gradient checkpointing, optimizer)
+    "adamw": (False, "adamw"),
+    "ckpt-adamw": (True, "adamw"),
+    "adamw8bit": (False, "adamw8bit"),
+    "ckpt-adamw8bit": (True, "adamw8bit"),
+}
+GIB = 1024**3
+
+
+def build_model(config: dict, device: torch.device, dtype: torch.dtype) -> Krea2Transformer2DModel:
+    """Random weights straight on the device (no 50 GB fp32 detour through host memory)."""
+    with torch.device("meta"):
+        model = Krea2Transformer2DModel(**config)
+    model.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim >= 2:
+                param.normal_(0.0, 0.02, generator=generator)
+            else:
+                param.zero_()  # norm scales (1 + s) and biases
+    for name, param in model.named_parameters():
+        if param.ndim >= 2:
+            param.data = param.data.to(dtype)
+    return model
+
+
+def run_variant(name: str, args, device: torch.device) -> dict:
+    checkpointing, optimizer_name = VARIANTS[name]
+    config = TINY_CONFIG if args.tiny else FULL_CONFIG
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    model = build_model(config, device, dtype)
+    params = add_lora(model, LoRAConfig(rank=args.rank, alpha=float(args.rank)))
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    model.train()
+    try:
+        optimizer = make_optimizer(params, OptimizerConfig(name=optimizer_name, learning_rate=1e-4))
+    except Exception as err:  # bitsandbytes missing: report, do not fail the other variants
+        return {"variant": name, "skipped": str(err)}
+
+    grid = args.resolution // 16
+    tokens = grid * grid
+    generator = torch.Generator().manual_seed(0)
+    x0 = torch.randn(args.batch, tokens, 64, generator=generator).to(device)
+    text = torch.randn(args.batch, args.text_len, config["num_text_layers"], config["text_hidden_dim"], generator=generator)
+    text = text.to(device, dtype)
+    mask = torch.ones(args.batch, args.text_len, dtype=torch.bool, device=device)
+    positions = position_ids(args.text_len, grid, grid, device=device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=not args.tiny)
+
+    times = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(args.warmup + args.steps):
+        noise = torch.randn(x0.shape, generator=generator).to(device)
+        t = sample_timesteps(args.batch, tokens, ObjectiveConfig(), generator).to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with autocast:
+            pred = model(hidden_states=add_noise(x0, noise, t), encoder_hidden_states=text, timestep=t,
+                         position_ids=positions, encoder_attention_mask=mask).sample
+        loss = flow_matching_loss(pred, x0, noise, t)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    result = {
+        "variant": name, "gradient_checkpointing": checkpointing, "optimizer": optimizer_name,
+        "s_per_step": sum(times) / len(times), "loss": loss.item(),
+        "peak_gib": torch.cuda.max_memory_allocated() / GIB if device.type == "cuda" else None,
+        "lora_params": sum(p.numel() for p in params),
+    }
+    del model, optimizer, params, pred, loss
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU dry run on a tiny config (64 px)")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--resolution", type=int, default=None, help="pixels per side (default 1024; 64 with --tiny)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--text-len", type=int, default=128)
+    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    args.resolution = args.resolution or (64 if args.tiny else 1024)
+    if args.tiny:
+        args.text_len = min(args.text_len, 16)
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    if device.type == "cpu" and not args.tiny:
+        sys.exit("no CUDA device: pass --tiny for the CPU dry run")
+    results = [run_variant(v, args, device) for v in args.variants.split(",")]
+    print(f"{'variant':16} {'s/step':>8} {'peak GiB':>9}  ({args.resolution}px, batch {args.batch}, LoRA r{args.rank})")
+    for r in results:
+        if "skipped" in r:
+            print(f"{r['variant']:16} skipped: {r['skipped']}")
+        else:
+            peak = f"{r['peak_gib']:9.2f}" if r["peak_gib"] is not None else f"{'-':>9}"
+            print(f"{r['variant']:16} {r['s_per_step']:8.3f} {peak}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Aspect-ratio buckets and the deterministic, resumable batch order over them.
+
+A bucket is a ``(width, height)`` pair, both multiples of ``step`` (16 = VAE 8 x patch 2), with an
+area close to ``resolution**2``. Each image goes to the bucket nearest its aspect ratio, is scaled
+to cover it and centre-cropped. Batches hold one bucket each, so latents stack without padding.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Sequence
+
+from PIL import Image
+
+Bucket = tuple[int, int]  # (width, height) in pixels
+
+
+def make_buckets(resolution: int, step: int = 16, min_aspect_ratio: float = 0.5, max_aspect_ratio: float = 2.0) -> list[Bucket]:
+    """All ``(w, h)`` with ``w, h`` multiples of ``step``, ``w * h <= resolution**2`` (as large as
+    possible for that width) and ``min_aspect_ratio <= w / h <= max_aspect_ratio``, sorted by aspect."""
+    area = resolution * resolution
+    buckets: set[Bucket] = set()
+    width = step
+    while width <= area // step:
+        height = (area // width) // step * step
+        if height >= step and min_aspect_ratio <= width / height <= max_aspect_ratio:
+            buckets.add((width, height))
+        width += step
+    if not buckets:
+        raise ValueError(f"no bucket fits resolution={resolution}, step={step}; raise data.resolution")
+    return sorted(buckets, key=lambda b: b[0] / b[1])
+
+
+def nearest_bucket(width: int, height: int, buckets: Sequence[Bucket]) -> Bucket:
+    """The bucket whose aspect ratio is closest in log space (so 2:1 and 1:2 are equally far from 1:1)."""
+    target = math.log(width / height)
+    return min(buckets, key=lambda b: (abs(math.log(b[0] / b[1]) - target), -b[0] * b[1]))
+
+
+def fits(width: int, height: int, bucket: Bucket) -> bool:
+    """True when the image covers the bucket without upscaling (cover-scaling factor <= 1)."""
+    return max(bucket[0] / width, bucket[1] / height) <= 1.0
+
+
+def resize_to_bucket(image: Image.Image, bucket: Bucket) -> Image.Image:
+    """Scale ``image`` to cover ``bucket``, then centre-crop to exactly ``bucket``."""
+    bw, bh = bucket
+    scale = max(bw / image.width, bh / image.height)
+    new_size = (max(bw, round(image.width * scale)), max(bh, round(image.height * scale)))
+    if new_size != image.size:
+        image = image.resize(new_size, Image.Resampling.LANCZOS)
+    left = (image.width - bw) // 2
+    top = (image.height - bh) // 2
+    return image.crop((left, top, left + bw, top + bh))
+
+
+@dataclass
+class BucketBatches:
+    """A fixed-length epoch of global batches, reshuffled per epoch from ``seed``.
+
+    Batch ``k`` of the whole run is a pure function of ``(seed, k)``: that is what makes resuming
+    exact (the data position is just the step counter) and what lets N processes agree on the
+    global batch while each takes its own slice.
+
+    Args:
+        bucket_of: bucket of each sample (index = sample id).
+        global_batch_size: samples per optimizer micro-step across all processes.
+    """
+
+    bucket_of: Sequence[Bucket]
+    global_batch_size: int
+    seed: int = 0
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        groups: dict[Bucket, list[int]] = {}
+        for index, bucket in enumerate(self.bucket_of):
+            groups.setdefault(bucket, []).append(index)
+        self._groups = [groups[b] for b in sorted(groups)]
+        # A bucket with fewer samples than a batch is topped up by cycling its own samples, so small
+        # datasets still train every image; the epoch length is fixed by the bucket sizes.
+        self.batches_per_epoch = sum(math.ceil(len(g) / self.global_batch_size) for g in self._groups)
+
+    def epoch(self, epoch: int) -> list[list[int]]:
+        rng = random.Random(self.seed * 1_000_003 + epoch)
+        batches = []
+        for group in self._groups:
+            order = list(group)
+            if self.shuffle:
+                rng.shuffle(order)
+            count = math.ceil(len(order) / self.global_batch_size)
+            cycled = (order * (count * self.global_batch_size // len(order) + 1))[: count * self.global_batch_size]
+            batches += [cycled[i * self.global_batch_size:(i + 1) * self.global_batch_size] for i in range(count)]
+        if self.shuffle:
+            rng.shuffle(batches)
+        return batches
+
+    def global_batch(self, index: int) -> list[int]:
+        """Sample ids of global batch ``index`` (counted from the start of the run)."""
+        epoch, position = divmod(index, self.batches_per_epoch)
+        return self.epoch(epoch)[position]
+
+    def local_batch(self, index: int, rank: int, world_size: int) -> list[int]:
+        batch = self.global_batch(index)
+        per_rank = len(batch) // world_size
+        return batch[rank * per_rank:(rank + 1) * per_rank]

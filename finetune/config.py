@@ -1,0 +1,353 @@
+"""The typed configuration tree of a training run.
+
+A YAML file (plus ``key=value`` overrides) is parsed into :class:`TrainConfig`. Every section is a
+dataclass; unknown keys are rejected with the closest valid name, and values are type-checked,
+so a typo fails before any model is loaded instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported before training starts."""
+
+
+@dataclass
+class ModelConfig:
+    pretrained_model_name_or_path: str = "tiny-random"
+    """RAW checkpoint to train on: a diffusers folder, an original-layout file, or ``tiny-random``."""
+    turbo_model_name_or_path: str | None = None
+    """Optional Turbo checkpoint; validation then also samples it with the LoRA applied."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Storage dtype of the frozen weights (LoRA weights and full fine-tune masters stay float32)."""
+    max_sequence_length: int = 512
+
+
+@dataclass
+class SyntheticDataConfig:
+    """A self-made dataset: ``num_prompts`` captions, each with its own distinct image."""
+
+    num_prompts: int = 4
+    images_per_prompt: int = 1
+    size: int = 64
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None
+    """Folder of images with same-name ``.txt`` captions, or a ``.jsonl`` / ``.parquet`` manifest."""
+    synthetic: SyntheticDataConfig | None = None
+    """Generate a synthetic dataset into ``path`` (or ``<output_dir>/synthetic_data``) instead."""
+    resolution: int = 1024
+    """Buckets hold about ``resolution**2`` pixels."""
+    bucket_step: int = 16
+    min_aspect_ratio: float = 0.5
+    max_aspect_ratio: float = 2.0
+    caption_dropout: float = 0.05
+    """Probability of training a sample with the empty prompt (needed for CFG at inference)."""
+    repeats: int = 1
+    cache_dir: str | None = None
+    """Latent / text cache; defaults to ``<output_dir>/cache``. Reused across runs by content hash."""
+    shuffle: bool = True
+
+
+@dataclass
+class LoRAConfig:
+    rank: int = 32
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: [
+            "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.to_gate",
+            "ff.gate", "ff.up", "ff.down",
+        ]
+    )
+    """Module suffixes inside ``transformer_blocks.N`` (and text-fusion blocks when enabled)."""
+    extra_modules: list[str] = field(default_factory=list)
+    """Full names of other linear layers to adapt, e.g. ``img_in``, ``final_layer.linear``, ``time_mod_proj``."""
+    train_text_fusion: bool = False
+    use_dora: bool = False
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["adamw", "adamw8bit"] = "adamw"
+    learning_rate: float = 1e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 0.0
+    eps: float = 1e-8
+    max_grad_norm: float | None = 1.0
+
+
+@dataclass
+class LRSchedulerConfig:
+    name: Literal["constant", "cosine", "wsd"] = "constant"
+    warmup_steps: int = 0
+    decay_fraction: float = 0.2
+    """``wsd`` only: fraction of the run spent decaying to ``min_lr_ratio``."""
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class ObjectiveConfig:
+    timestep_sampling: Literal["logit_normal", "uniform"] = "logit_normal"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    shift: Literal["resolution", "fixed", "none"] = "resolution"
+    """``resolution``: mu linear from 0.5 at 256 image tokens to 1.15 at 6400; ``fixed``: ``shift_mu``."""
+    shift_mu: float = 1.15
+    loss_weighting: Literal["none", "cosmap", "sigma_sqrt"] = "none"
+
+
+@dataclass
+class TrainingConfig:
+    method: Literal["lora", "full"] = "lora"
+    max_steps: int = 1000
+    batch_size: int = 1
+    """Per process. The global batch is ``batch_size * gradient_accumulation_steps * world_size``."""
+    gradient_accumulation_steps: int = 1
+    seed: int = 0
+    mixed_precision: Literal["no", "bf16"] = "no"
+    gradient_checkpointing: bool = False
+    compile: bool = False
+
+
+@dataclass
+class ParallelConfig:
+    strategy: Literal["auto", "ddp", "fsdp"] = "auto"
+    """``auto``: DDP for LoRA, FSDP2 for full fine-tune (only matters with more than one process)."""
+
+
+@dataclass
+class CheckpointConfig:
+    every_n_steps: int = 250
+    keep_last: int = 3
+
+
+@dataclass
+class ValidationConfig:
+    every_n_steps: int = 0
+    """0 disables sampling during training; a final sample set is still made if prompts are given."""
+    prompts: list[str] = field(default_factory=list)
+    negative_prompt: str = ""
+    num_inference_steps: int = 28
+    guidance_scale: float = 3.5
+    """Krea convention: ``v = v_cond + g * (v_cond - v_uncond)``, 0 disables guidance (= 1 in ComfyUI terms)."""
+    turbo_num_inference_steps: int = 8
+    height: int = 1024
+    width: int = 1024
+    seed: int = 0
+
+
+@dataclass
+class ExportConfig:
+    formats: list[Literal["diffusers", "comfyui", "kohya", "original"]] = field(
+        default_factory=lambda: ["diffusers", "comfyui", "kohya"]
+    )
+    """LoRA: diffusers/comfyui/kohya files. Full fine-tune: diffusers folder and original-layout file."""
+    trigger_words: list[str] = field(default_factory=list)
+    base_model: str | None = None
+    """Name written into the metadata; defaults to ``model.pretrained_model_name_or_path``."""
+
+
+@dataclass
+class LoggingConfig:
+    log_every_n_steps: int = 1
+    tensorboard: bool = True
+    progress_bar: bool = True
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = "outputs/krea2-lora"
+    recipe: str | None = None
+    """Named defaults from :mod:`finetune.recipes`; the file's own values win."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpointing: CheckpointConfig = field(default_factory=CheckpointConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> None:
+        """Checks that need more than one field (types are checked while parsing)."""
+        positive = {
+            "training.max_steps": self.training.max_steps,
+            "training.batch_size": self.training.batch_size,
+            "training.gradient_accumulation_steps": self.training.gradient_accumulation_steps,
+            "lora.rank": self.lora.rank,
+            "data.resolution": self.data.resolution,
+            "data.repeats": self.data.repeats,
+            "checkpointing.keep_last": self.checkpointing.keep_last,
+            "model.max_sequence_length": self.model.max_sequence_length,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"{name} must be positive, got {value}")
+        if self.data.bucket_step % 16 or self.data.bucket_step <= 0:
+            raise ConfigError(f"data.bucket_step must be a positive multiple of 16 (VAE 8 x patch 2), got {self.data.bucket_step}")
+        if not 0.0 <= self.data.caption_dropout < 1.0:
+            raise ConfigError(f"data.caption_dropout must be in [0, 1), got {self.data.caption_dropout}")
+        if not 0 < self.data.min_aspect_ratio <= 1.0 <= self.data.max_aspect_ratio:
+            raise ConfigError("data.min_aspect_ratio <= 1 <= data.max_aspect_ratio must hold")
+        if self.data.path is None and self.data.synthetic is None:
+            raise ConfigError("data.path is required (or data.synthetic for a self-made dataset)")
+        if len(self.optimizer.betas) != 2:
+            raise ConfigError(f"optimizer.betas needs two values, got {self.optimizer.betas}")
+        if self.training.method == "full" and any(f in ("comfyui", "kohya") for f in self.export.formats):
+            # LoRA formats make no sense for a full fine-tune; pick the weight formats instead.
+            self.export.formats = ["diffusers", "original"]
+        for size_name in ("height", "width"):
+            if getattr(self.validation, size_name) % 16:
+                raise ConfigError(f"validation.{size_name} must be a multiple of 16")
+
+
+# ----------------------------------------------------------------------------------------------
+# Parsing
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0] if errors else f"{where}: invalid value {value!r}")
+    if origin is Literal:
+        if value not in args:
+            hint = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            more = f"; did you mean {hint[0]!r}?" if hint else ""
+            raise ConfigError(f"{where}: {value!r} is not one of {list(args)}{more}")
+        return value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return _from_dict(tp, value, where)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            # YAML reads "1e-4" (no dot) as a string; accept numeric strings for floats.
+            try:
+                return float(value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported type {_type_name(tp)}")
+
+
+def _from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            hint = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+            more = f"; did you mean '{prefix + '.' if prefix else ''}{hint[0]}'?" if hint else ""
+            raise ConfigError(f"unknown config key '{where}'{more} (valid here: {', '.join(names)})")
+        kwargs[key] = _coerce(value, hints[key], where)
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"optimizer.learning_rate=3e-4"`` -> (["optimizer", "learning_rate"], 3e-4); the value is YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like key=value (e.g. training.max_steps=500)")
+    key, raw = text.split("=", 1)
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    if isinstance(value, str):
+        try:  # YAML 1.1 reads "3e-4" (no dot) as a string
+            value = float(value) if any(c.isdigit() for c in value) and value.strip() == raw.strip() else value
+        except ValueError:
+            pass
+    return key.strip().split("."), value
+
+
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def build_config(raw: dict[str, Any], overrides: list[str] = ()) -> TrainConfig:
+    """Parse a raw mapping (from YAML) plus ``key=value`` overrides into a validated config."""
+    from .recipes import recipe_defaults
+
+    raw = copy.deepcopy(raw or {})
+    for text in overrides:
+        path, value = parse_override(text)
+        node = raw
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {text!r}: {part!r} is not a section")
+        node[path[-1]] = value
+    if raw.get("recipe"):
+        raw = _deep_merge(recipe_defaults(raw["recipe"]), raw)
+    config = _from_dict(TrainConfig, raw)
+    config.validate()
+    return config
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> TrainConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} not found")
+    with path.open() as f:
+        raw = yaml.safe_load(f) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    return build_config(raw, overrides)

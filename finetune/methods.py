@@ -1,0 +1,67 @@
+"""What gets trained: PEFT LoRA adapters on the blocks' projections, or every weight."""
+
+from __future__ import annotations
+
+import difflib
+import re
+
+from torch import nn
+
+from .config import LoRAConfig
+
+ADAPTER_NAME = "default"
+_BLOCK = r"transformer_blocks\.\d+"
+_TEXT_FUSION_BLOCK = r"text_fusion\.(?:layerwise|refiner)_blocks\.\d+"
+
+
+def lora_target_names(transformer: nn.Module, config: LoRAConfig) -> list[str]:
+    """Full names of the ``nn.Linear`` modules that get adapters, e.g. ``transformer_blocks.0.attn.to_q``."""
+    heads = [_BLOCK] + ([_TEXT_FUSION_BLOCK] if config.train_text_fusion else [])
+    suffixes = "|".join(re.escape(s) for s in config.target_modules)
+    pattern = re.compile(rf"^(?:{'|'.join(heads)})\.(?:{suffixes})$")
+    linear = {n for n, m in transformer.named_modules() if isinstance(m, nn.Linear)}
+    unknown = [n for n in config.extra_modules if n not in linear]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], sorted(linear), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"lora.extra_modules: {unknown[0]!r} is not a linear layer of the transformer{hint}")
+    names = sorted(n for n in linear if pattern.match(n)) + list(config.extra_modules)
+    if not names:
+        raise ValueError(f"lora.target_modules {config.target_modules} match no linear layer in the transformer")
+    return names
+
+
+def add_lora(transformer: nn.Module, config: LoRAConfig) -> list[nn.Parameter]:
+    """Freeze the transformer and attach one PEFT LoRA adapter; returns the trainable parameters.
+
+    Adapter weights are kept in float32 even when the base is bf16: they are the only thing being
+    updated and low-precision updates of small values stall.
+    """
+    from peft import LoraConfig
+
+    transformer.requires_grad_(False)
+    lora_config = LoraConfig(
+        r=config.rank,
+        lora_alpha=config.alpha,
+        lora_dropout=config.dropout,
+        target_modules=lora_target_names(transformer, config),
+        use_dora=config.use_dora,
+        init_lora_weights=True,  # A ~ Kaiming, B = 0: training starts exactly at the base model
+    )
+    transformer.add_adapter(lora_config, adapter_name=ADAPTER_NAME)
+    params = [p for n, p in transformer.named_parameters() if "lora_" in n]
+    for param in params:
+        param.data = param.data.float()
+        param.requires_grad_(True)
+    return params
+
+
+def prepare_full_finetune(transformer: nn.Module) -> list[nn.Parameter]:
+    """Every parameter trains, in float32 (the optimizer's master copy)."""
+    transformer.float()
+    transformer.requires_grad_(True)
+    return list(transformer.parameters())
+
+
+def trainable_parameter_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)

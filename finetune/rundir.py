@@ -1,0 +1,51 @@
+"""The run folder: one run per folder, and a resume must continue the same run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .config import TrainConfig
+
+# Settings that may change between a run and its resumption (they do not alter the maths).
+_RESUMABLE_CHANGES = {"checkpointing", "validation", "export", "logging", "training.max_steps", "output_dir"}
+
+
+class RunDirectoryError(ValueError):
+    """The output directory holds a different run."""
+
+
+def config_fingerprint(config: TrainConfig) -> dict:
+    raw = config.to_dict()
+    for dotted in _RESUMABLE_CHANGES:
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node[part]
+        node.pop(leaf, None)
+    return raw
+
+
+def _diff(a, b, prefix="") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _diff(a.get(k), b.get(k), f"{prefix}{k}.")]
+    return [] if a == b else [f"{prefix[:-1]}: {a!r} -> {b!r}"]
+
+
+def check_output_dir(out: Path, config: TrainConfig, resume: bool) -> None:
+    """Refuse to mix runs: a fresh run needs a directory without a run; a resume needs the same one."""
+    run_file = out / "run.json"
+    if not resume:
+        if run_file.exists() or (out / "checkpoints").exists():
+            raise RunDirectoryError(
+                f"{out} already holds a training run; pass --resume to continue it, or choose another --output-dir"
+            )
+        return
+    if run_file.exists():
+        previous = json.loads(run_file.read_text())["fingerprint"]
+        changes = _diff(previous, config_fingerprint(config))
+        if changes:
+            raise RunDirectoryError(
+                f"--resume: the config differs from the run in {out} in settings that change training: "
+                + "; ".join(changes[:5])
+            )

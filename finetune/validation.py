@@ -1,0 +1,72 @@
+"""Sample images during training: RAW with CFG, and Turbo with the current LoRA when configured."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .config import TrainConfig
+from .parallel import Runtime, gathered
+
+
+class Validator:
+    def __init__(self, config: TrainConfig, pipe, runtime: Runtime, out_dir: Path):
+        self.config = config
+        self.pipe = pipe
+        self.runtime = runtime
+        self.out_dir = out_dir
+        self._turbo = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.config.validation.prompts)
+
+    def due(self, step: int) -> bool:
+        every = self.config.validation.every_n_steps
+        return self.enabled and every > 0 and step % every == 0
+
+    def _sample(self, pipe, steps: int, guidance: float):
+        v = self.config.validation
+        generators = [torch.Generator().manual_seed(v.seed + i) for i in range(len(v.prompts))]
+        return pipe(
+            v.prompts, negative_prompt=v.negative_prompt if guidance > 0 else None, height=v.height, width=v.width,
+            num_inference_steps=steps, guidance_scale=guidance, generator=generators, output_type="pil",
+        ).images
+
+    def run(self, model: torch.nn.Module, step: int, metrics, lora_layers=None) -> list[Path]:
+        """Every process must call this (FSDP gathers parameters collectively); the main one saves."""
+        v = self.config.validation
+        model.eval()
+        try:
+            with torch.no_grad(), gathered(model, self.runtime):
+                images = {"raw": self._sample(self.pipe, v.num_inference_steps, v.guidance_scale)}
+            if lora_layers is not None and self.config.model.turbo_model_name_or_path:
+                images["turbo"] = self._sample(self._turbo_with(lora_layers), v.turbo_num_inference_steps, 0.0)
+        finally:
+            model.train()
+        saved = []
+        if self.runtime.is_main:
+            folder = self.out_dir / "samples" / f"step-{step:06d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for kind, batch in images.items():
+                for i, image in enumerate(batch):
+                    path = folder / f"{kind}-{i:02d}.png"
+                    image.save(path)
+                    saved.append(path)
+                metrics.add_images(f"samples/{kind}", batch, step)
+        return saved
+
+    def _turbo_with(self, lora_layers):
+        from krea2_diffusers.lora import apply_lora_layers
+
+        from .model import load_turbo_pipeline
+
+        if self._turbo is None:
+            self._turbo = load_turbo_pipeline(self.config.model.turbo_model_name_or_path, self.pipe, self.config.model.dtype)
+        transformer = self._turbo.transformer
+        if "validation" in (getattr(transformer, "peft_config", None) or {}):
+            transformer.delete_adapters("validation")
+            transformer._krea2_lora_strengths.pop("validation", None)
+        apply_lora_layers(transformer, lora_layers, adapter_name="validation")
+        return self._turbo

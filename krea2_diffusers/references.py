@@ -1,0 +1,544 @@
+"""Style references: input checks, and the text encoder's (VLM's) side of the reference mechanism.
+
+Two ways for a reference image to reach the model:
+
+* **Vision tokens** (compatible with ComfyUI's official style-reference template): each image enters
+  the Qwen3-VL text encoder as ``<|vision_start|><|image_pad|>...<|vision_end|>`` placed before the
+  prompt inside the usual Krea 2 system template (:func:`encode_prompt_with_images`). The
+  transformer-side half (reference latents at RoPE (k, i, j), timestep-zero modulation, a style LoRA)
+  lives in the pipeline.
+* **Training-free descriptions**: with no style LoRA at hand, the VLM writes a content-free style
+  description of each reference (:func:`describe_style`, cached per image by
+  :class:`StyleDescriptionCache`), and each description enters as its own group of text tokens
+  (assembled in ``krea2_diffusers.style``).
+
+Either way every reference k gets a token range ``groups[k]`` so that the pipeline can weight it by
+its strength s (an additive ``log(s)`` bias on those tokens as attention keys).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import PIL.Image
+import torch
+
+from .conditioning import (
+    ASSISTANT_SUFFIX, DEFAULT_MAX_SEQUENCE_LENGTH, SYSTEM_PREFIX, TAPPED_LAYERS, base_text_model, template_counts,
+)
+
+logger = logging.getLogger(__name__)
+
+# Krea's hosted API takes up to 10 image style references, each with its own strength.
+MAX_STYLE_REFERENCES = 10
+DEFAULT_STYLE_STRENGTH = 1.0
+# A moodboard is many images read together as ONE direction. Its strength is the board's total weight,
+# shared equally by its images (so a 20-image board at 0.35 pulls as hard as 0.35 of one reference);
+# 0.35 is the hosted API's moodboard default. The cap bounds the extra tokens (and memory) per step.
+MAX_MOODBOARD_IMAGES = 32
+DEFAULT_MOODBOARD_STRENGTH = 0.35
+
+# Qwen3-VL's image preprocessing (its released preprocessor config): mean/std 0.5, patch 16, merge 2.
+QWEN3_VL_IMAGE_MEAN = (0.5, 0.5, 0.5)
+QWEN3_VL_IMAGE_STD = (0.5, 0.5, 0.5)
+# Reference images are read for style, not detail: ~384^2 pixels gives 144 vision tokens per image with
+# Qwen3-VL (32 px per merged token), which keeps 10 references at ~1.4k extra text tokens per step.
+REFERENCE_MAX_PIXELS = 384 * 384
+REFERENCE_MIN_PIXELS = 64 * 64
+
+VISION_START = "<|vision_start|>"
+VISION_END = "<|vision_end|>"
+IMAGE_PAD = "<|image_pad|>"
+
+# Pixel values of float arrays must lie in [0, 1]; allow float rounding just outside.
+_FLOAT_RANGE_TOLERANCE = 1e-3
+_UINT8_MAX = 255
+# Images are composited onto white where transparent: RGBA -> RGB otherwise exposes undefined colours.
+_BACKGROUND = (255, 255, 255)
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+def _array_to_image(array: np.ndarray, name: str) -> list[PIL.Image.Image]:
+    """(H, W), (H, W, C), (C, H, W) or a batch (B, ...) of uint8 / float [0, 1] pixels -> PIL images."""
+    if array.ndim == 4:
+        return [image for item in array for image in _array_to_image(item, name)]
+    if array.ndim == 3 and array.shape[-1] not in (1, 3, 4) and array.shape[0] in (1, 3, 4):
+        array = np.moveaxis(array, 0, -1)  # CHW (torch layout) -> HWC
+    if array.ndim == 3 and array.shape[-1] == 1:
+        array = array[..., 0]
+    if array.ndim not in (2, 3) or (array.ndim == 3 and array.shape[-1] not in (3, 4)):
+        raise ValueError(f"{name}: expected an image array (H, W), (H, W, C) or (C, H, W) with C in 1/3/4, got shape {array.shape}")
+    if np.issubdtype(array.dtype, np.floating):
+        lo, hi = float(np.nanmin(array)), float(np.nanmax(array))
+        if not np.isfinite(array).all() or lo < -_FLOAT_RANGE_TOLERANCE or hi > 1 + _FLOAT_RANGE_TOLERANCE:
+            raise ValueError(f"{name}: float pixels must lie in [0, 1], got range [{lo:.3g}, {hi:.3g}]")
+        array = (np.clip(array, 0.0, 1.0) * _UINT8_MAX).round().astype(np.uint8)
+    elif array.dtype == np.bool_:
+        array = array.astype(np.uint8) * _UINT8_MAX
+    elif np.issubdtype(array.dtype, np.integer):
+        if array.min() < 0 or array.max() > _UINT8_MAX:
+            raise ValueError(f"{name}: integer pixels must lie in [0, 255], got range [{array.min()}, {array.max()}]")
+        array = array.astype(np.uint8)
+    else:
+        raise ValueError(f"{name}: unsupported pixel dtype {array.dtype}")
+    return [PIL.Image.fromarray(np.ascontiguousarray(array))]
+
+
+def to_rgb(image: PIL.Image.Image) -> PIL.Image.Image:
+    """An RGB copy of ``image``; transparency is composited onto white."""
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        background = PIL.Image.new("RGB", rgba.size, _BACKGROUND)
+        background.paste(rgba, mask=rgba.getchannel("A"))
+        return background
+    return image.convert("RGB")
+
+
+def load_reference_images(images) -> list[PIL.Image.Image]:
+    """Load reference images as RGB PIL images.
+
+    Args:
+        images: one item or a list of items, each a file path, a PIL image, a numpy array or a torch
+            tensor ((H, W), (H, W, C), (C, H, W), or a batch (B, ...) that yields B images; uint8 or
+            float in [0, 1]; ComfyUI IMAGE tensors (B, H, W, C) work as they are).
+    Raises:
+        ValueError: an unreadable / missing file (naming it) or an unusable array.
+    """
+    if images is None:
+        return []
+    items = [images] if isinstance(images, (str, os.PathLike, PIL.Image.Image, np.ndarray, torch.Tensor)) else list(images)
+    loaded: list[PIL.Image.Image] = []
+    for index, item in enumerate(items):
+        name = f"style image {index}"
+        if isinstance(item, (str, os.PathLike)):
+            path = Path(item)
+            try:
+                with PIL.Image.open(path) as opened:
+                    opened.load()  # read now: a truncated file must fail here, not later inside the model
+                    loaded.append(to_rgb(opened).copy())
+            except FileNotFoundError:
+                raise ValueError(f"cannot read style image {str(path)!r}: no such file") from None
+            except (OSError, PIL.UnidentifiedImageError, PIL.Image.DecompressionBombError, ValueError) as err:
+                raise ValueError(f"cannot read style image {str(path)!r}: {err}") from None
+        elif isinstance(item, PIL.Image.Image):
+            loaded.append(to_rgb(item))
+        elif isinstance(item, torch.Tensor):
+            tensor = item.detach().cpu()
+            loaded.extend(_array_to_image((tensor.float() if tensor.is_floating_point() else tensor).numpy(), name))
+        elif isinstance(item, np.ndarray):
+            loaded.extend(_array_to_image(item, name))
+        else:
+            raise ValueError(f"{name}: expected a path, PIL image, numpy array or torch tensor, got {type(item).__name__}")
+    for index, image in enumerate(loaded):
+        if image.width < 1 or image.height < 1:
+            raise ValueError(f"style image {index} is empty ({image.width}x{image.height})")
+    return loaded
+
+
+def _one_image(image) -> PIL.Image.Image:
+    images = load_reference_images([image])
+    if len(images) != 1:
+        raise ValueError(f"expected one image, got a batch of {len(images)}")
+    return images[0]
+
+
+def _count_images(style_images) -> int:
+    """How many images ``style_images`` holds, without decoding files (a 4-D array is a batch)."""
+    if style_images is None:
+        return 0
+    if isinstance(style_images, (str, os.PathLike, PIL.Image.Image)):
+        return 1
+    if isinstance(style_images, (np.ndarray, torch.Tensor)):
+        return int(style_images.shape[0]) if style_images.ndim == 4 else 1
+    return sum(_count_images(item) if isinstance(item, (np.ndarray, torch.Tensor)) else 1 for item in style_images)
+
+
+def _check_strength(value, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{what} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what} must be a finite number >= 0 (0 removes the reference), got {value!r}")
+    return value
+
+
+def check_style_inputs(style_images, style_strengths=None, max_references: int = MAX_STYLE_REFERENCES,
+                       moodboard: bool = False) -> list[float]:
+    """Validate style references before any model work; return one strength per image.
+
+    Args:
+        style_images: paths / PIL images / arrays (see :func:`load_reference_images`) or None.
+        style_strengths: per-image strengths >= 0 (None: 1.0 each; a single number applies to all).
+            s = 1 is the unweighted mechanism, s = 0 removes the reference exactly.
+        max_references: cap on the number of separate references (default 10, as Krea's API).
+        moodboard: read the images together as ONE direction instead: up to
+            :data:`MAX_MOODBOARD_IMAGES` images, ``style_strengths`` is None (0.35) or one number for the
+            whole board, and each image gets ``strength / n`` so the board weighs like one reference.
+
+    Raises:
+        ValueError: strengths without images, more or fewer strengths than images, a negative or
+            non-finite strength, or too many images.
+    """
+    count = _count_images(style_images)
+    if count == 0:
+        if style_strengths is not None and not (isinstance(style_strengths, (list, tuple)) and not style_strengths):
+            raise ValueError("style_strengths given without style_images")
+        return []
+    if moodboard:
+        if count > MAX_MOODBOARD_IMAGES:
+            raise ValueError(f"a moodboard takes at most {MAX_MOODBOARD_IMAGES} images, got {count}")
+        if isinstance(style_strengths, (list, tuple)):
+            if len(style_strengths) != 1:
+                raise ValueError(f"a moodboard has one strength for the whole board, got {len(style_strengths)} strengths")
+            style_strengths = style_strengths[0]
+        total = DEFAULT_MOODBOARD_STRENGTH if style_strengths is None else _check_strength(style_strengths, "moodboard strength")
+        return [total / count] * count
+    if isinstance(max_references, bool) or not isinstance(max_references, int) or max_references < 1:
+        raise ValueError(f"max_references must be a positive integer, got {max_references!r}")
+    if count > max_references:
+        raise ValueError(f"at most {max_references} style references are supported, got {count} "
+                         "(pass moodboard=True to read many images together as one direction)")
+    if style_strengths is None:
+        return [DEFAULT_STYLE_STRENGTH] * count
+    if not isinstance(style_strengths, (list, tuple, np.ndarray, torch.Tensor)):
+        return [_check_strength(style_strengths, "style strength")] * count
+    strengths = [s.item() if isinstance(s, (np.generic, torch.Tensor)) else s for s in style_strengths]
+    if len(strengths) != count:
+        raise ValueError(f"got {len(strengths)} style strengths for {count} style images; give one strength per image")
+    return [_check_strength(s, f"style strength {i}") for i, s in enumerate(strengths)]
+
+
+def parse_style_ref(spec: str) -> tuple[str, float]:
+    """Parse the CLI's ``--style-ref PATH[:STRENGTH]`` (strength defaults to 1).
+
+    Splits on the LAST colon only when what follows parses as a number, so Windows drive letters
+    (``C:\\refs\\a.png``) and colons inside file names survive: ``C:\\a.png:0.6`` -> (``C:\\a.png``, 0.6).
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"--style-ref needs PATH or PATH:STRENGTH, got {spec!r}")
+    path, strength = spec, DEFAULT_STYLE_STRENGTH
+    head, sep, tail = spec.rpartition(":")
+    if sep and head:
+        try:
+            strength = float(tail)
+        except ValueError:
+            pass  # the colon belongs to the path
+        else:
+            path = head
+    return path, _check_strength(strength, f"strength in --style-ref {spec!r}")
+
+
+# ------------------------------------------------------------------------------------ vision tokens
+def vision_config_of(text_encoder):
+    """The vision tower's config (patch_size, temporal_patch_size, spatial_merge_size)."""
+    config = getattr(text_encoder, "config", None)
+    vision = getattr(config, "vision_config", None)
+    if vision is None:
+        raise ValueError(f"{type(text_encoder).__name__} has no vision tower (config.vision_config); "
+                         "style references need the Qwen3-VL text encoder")
+    return vision
+
+
+def reference_image_processor(text_encoder, max_pixels: int = REFERENCE_MAX_PIXELS, min_pixels: int = REFERENCE_MIN_PIXELS):
+    """A Qwen2-VL/Qwen3-VL image processor built offline from the text encoder's vision config."""
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as Processor
+    except ImportError:  # transformers 4.x: one processor class, PIL-based
+        from transformers import Qwen2VLImageProcessor as Processor
+
+    vision = vision_config_of(text_encoder)
+    factor = vision.patch_size * vision.spatial_merge_size
+    if max_pixels < factor * factor:
+        raise ValueError(f"max_pixels must be at least {factor * factor} (one merged {factor}x{factor} patch), got {max_pixels}")
+    return Processor(
+        patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size, merge_size=vision.spatial_merge_size,
+        image_mean=list(QWEN3_VL_IMAGE_MEAN), image_std=list(QWEN3_VL_IMAGE_STD),
+        min_pixels=min(min_pixels, max_pixels), max_pixels=max_pixels,
+    )
+
+
+def vision_inputs(text_encoder, images: Sequence[PIL.Image.Image], max_pixels: int = REFERENCE_MAX_PIXELS,
+                  image_processor=None) -> tuple[torch.Tensor | None, torch.Tensor | None, list[int]]:
+    """Preprocess images for the vision tower.
+
+    Returns:
+        pixel_values (sum of patches, C * temporal_patch * patch^2) float, image_grid_thw (K, 3) long
+        (None, None for no images), and the number of LLM tokens of each image (its patches / merge^2).
+    """
+    if not images:
+        return None, None, []
+    processor = image_processor or reference_image_processor(text_encoder, max_pixels)
+    out = processor(images=[to_rgb(image) for image in images], return_tensors="pt")
+    grid = out["image_grid_thw"].long()
+    merge = vision_config_of(text_encoder).spatial_merge_size
+    tokens = (grid.prod(-1) // (merge * merge)).tolist()
+    return out["pixel_values"], grid, tokens
+
+
+def vision_block(tokens: int) -> str:
+    """The text of one image's placeholder: start marker, one ``<|image_pad|>`` per LLM token, end marker."""
+    return VISION_START + IMAGE_PAD * tokens + VISION_END
+
+
+def _token_id(tokenizer, token: str, expected: int | None) -> int:
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    if token_id is None or token_id == getattr(tokenizer, "unk_token_id", object()):
+        raise ValueError(f"tokenizer has no {token} token; style references need the Qwen3-VL tokenizer")
+    if expected is not None and token_id != expected:
+        raise ValueError(f"tokenizer maps {token} to {token_id} but the text encoder expects {expected}")
+    return token_id
+
+
+def _tap(hidden_states, layers) -> torch.Tensor:
+    if max(layers) >= len(hidden_states):
+        raise ValueError(f"text encoder has {len(hidden_states) - 1} layers; tapped layers {tuple(layers)} need {max(layers)}")
+    return torch.stack([hidden_states[i] for i in layers], dim=2)
+
+
+@torch.no_grad()
+def encode_prompt_with_images(
+    text_encoder, tokenizer, prompt: str, images: Sequence, layers=TAPPED_LAYERS,
+    max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH, *, max_pixels: int = REFERENCE_MAX_PIXELS,
+    image_processor=None, device=None,
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+    """Encode one prompt with reference images as vision tokens before it, in the Krea 2 template.
+
+    Layout: ``[system prefix | (<|vision_start|> <|image_pad|> x n_k <|vision_end|>) per image | prompt |
+    suffix]``, no padding. ``max_sequence_length`` bounds the prompt and suffix as in
+    :func:`~krea2_diffusers.conditioning.encode_prompts`; vision tokens come on top. Positions come
+    from the encoder's own mRoPE index (vision tokens get (t, h, w) grid positions; text counts on).
+    With no images this equals ``encode_prompts(text_encoder, tokenizer, [prompt])``.
+
+    Returns:
+        embeds (1, L, len(layers), hidden) in the encoder's dtype, mask (1, L) bool (all True), and
+        groups: ``groups[k] = (start, end)``, the range of image k's ``<|image_pad|>`` tokens in the
+        returned (prefix-dropped) sequence.
+    """
+    if not isinstance(prompt, str):
+        raise ValueError(f"prompt must be a string, got {prompt!r}")
+    counts = template_counts(tokenizer)
+    if max_sequence_length <= counts.suffix:
+        raise ValueError(f"max_sequence_length must exceed the template suffix ({counts.suffix} tokens), got {max_sequence_length}")
+    model = base_text_model(text_encoder)
+    config = getattr(model, "config", None)
+    device = device or next(model.parameters()).device
+    images = load_reference_images(images)
+    pixel_values, grid, tokens = vision_inputs(text_encoder, images, max_pixels, image_processor)
+    image_token = _token_id(tokenizer, IMAGE_PAD, getattr(config, "image_token_id", None)) if images else None
+
+    # Prefix, vision blocks and prompt are tokenized together, as encode_prompts does for prefix + prompt;
+    # the special tokens split the text, so the blocks tokenize exactly as written.
+    vision_text = "".join(vision_block(n) for n in tokens)
+    vision_len = len(tokenizer(vision_text, add_special_tokens=False).input_ids) if images else 0
+    head = tokenizer(SYSTEM_PREFIX + vision_text + prompt, add_special_tokens=False, truncation=True,
+                     max_length=counts.prefix + vision_len + max_sequence_length - counts.suffix).input_ids
+    suffix = tokenizer(ASSISTANT_SUFFIX, add_special_tokens=False).input_ids
+    input_ids = torch.tensor([head + suffix], dtype=torch.long, device=device)
+    mask = torch.ones_like(input_ids, dtype=torch.bool)
+
+    if images:
+        # Token types: 0 text, 1 image (the encoder's convention for its mRoPE index).
+        token_types = (input_ids == image_token).int()
+        positions = _mrope_positions(model, input_ids, token_types, grid.to(device), mask)
+        extra = dict(pixel_values=pixel_values.to(device), image_grid_thw=grid.to(device))
+        if _takes_token_types(model.get_rope_index):
+            extra["mm_token_type_ids"] = token_types
+    else:
+        positions = (mask.long().cumsum(-1) - 1).unsqueeze(0).expand(3, -1, -1)
+        extra = {}
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, output_hidden_states=True, **extra)
+    embeds = _tap(out.hidden_states, layers)[:, counts.prefix:]
+    groups = _runs(input_ids[0, counts.prefix:], image_token) if images else []
+    if [end - start for start, end in groups] != tokens:
+        raise ValueError(f"vision tokens of {len(images)} images were not found intact after the template prefix "
+                         f"(expected runs {tokens}, got {groups}); is this the Qwen3-VL tokenizer?")
+    return embeds, mask[:, counts.prefix:], groups
+
+
+def _takes_token_types(function) -> bool:
+    """transformers 5 identifies vision tokens by ``mm_token_type_ids``; 4.x finds them by id."""
+    return "mm_token_type_ids" in inspect.signature(function).parameters
+
+
+def _mrope_positions(model, input_ids, token_types, grid, mask) -> torch.Tensor:
+    """(3, 1, S) positions from the encoder's own mRoPE index: vision tokens get (t, h, w) grid
+    positions, text counts on after each image's largest grid side."""
+    if _takes_token_types(model.get_rope_index):
+        positions, _ = model.get_rope_index(input_ids, mm_token_type_ids=token_types, image_grid_thw=grid, attention_mask=mask)
+    else:
+        positions, _ = model.get_rope_index(input_ids, image_grid_thw=grid, attention_mask=mask)
+    return positions
+
+
+def _runs(ids: torch.Tensor, token: int) -> list[tuple[int, int]]:
+    """[start, end) of each maximal run of ``token`` in a 1-D id tensor."""
+    hits = (ids == token).int()
+    edges = torch.diff(torch.nn.functional.pad(hits, (1, 1)))
+    starts = (edges == 1).nonzero().flatten().tolist()
+    ends = (edges == -1).nonzero().flatten().tolist()
+    return list(zip(starts, ends))
+
+
+# ------------------------------------------------------------------------------ training-free mode
+# Our instruction for a content-free style description; "content-free" so the reference lends its look,
+# not its subjects, to the new image.
+DESCRIBE_STYLE_INSTRUCTION = (
+    "You are an art director describing the visual style of a reference image so that another image can be made "
+    "in the same style. Describe only how it looks, never what it shows: do not name or describe any object, "
+    "person, animal, place or text in it. Cover the medium and technique, the colour palette, the lighting, the "
+    "textures and brushwork or grain, the era or art movement it evokes, and the composition and framing. "
+    "Answer with one paragraph of plain sentences, no lists, no markdown."
+)
+DESCRIBE_STYLE_REQUEST = "Describe the style of this image."
+DESCRIPTION_MAX_NEW_TOKENS = 160
+# Descriptions should be stable rather than inventive: sample cool.
+_DESCRIPTION_SAMPLING = dict(temperature=0.3, top_k=20, top_p=0.9, repetition_penalty=1.05)
+
+
+def describe_style(model, tokenizer, image, seed: int | None = 0, max_new_tokens: int = DESCRIPTION_MAX_NEW_TOKENS,
+                   *, max_pixels: int = REFERENCE_MAX_PIXELS) -> str:
+    """The VLM's content-free description of ``image``'s style (medium, palette, lighting, texture, era,
+    composition), one paragraph; reproducible for a seed; the global RNG is untouched.
+
+    Args:
+        model: a Qwen2-VL/Qwen3-VL model with its LM head (e.g. the pipeline's text encoder).
+        image: anything :func:`load_reference_images` accepts (one image).
+    Returns:
+        The cleaned description ("" if the model produced nothing usable).
+    """
+    from .expander import chat_input_ids, clean_generated_text, sample_text
+
+    picture = _one_image(image)
+    config = getattr(model, "config", None)
+    image_token = _token_id(tokenizer, IMAGE_PAD, getattr(config, "image_token_id", None))
+    pixel_values, grid, tokens = vision_inputs(model, [picture], max_pixels)
+    messages = [
+        {"role": "system", "content": DESCRIBE_STYLE_INSTRUCTION},
+        {"role": "user", "content": vision_block(tokens[0]) + DESCRIBE_STYLE_REQUEST},
+    ]
+    input_ids = chat_input_ids(tokenizer, messages)
+    device = next(model.parameters()).device
+    token_types = (torch.tensor([input_ids], device=device) == image_token).int()
+    kwargs = dict(do_sample=True, max_new_tokens=max_new_tokens, **_DESCRIPTION_SAMPLING)
+    if getattr(getattr(model, "generation_config", None), "pad_token_id", None) is None and tokenizer.pad_token_id is not None:
+        kwargs["pad_token_id"] = tokenizer.pad_token_id
+    if getattr(getattr(model, "generation_config", None), "eos_token_id", None) is None and tokenizer.eos_token_id is not None:
+        kwargs["eos_token_id"] = tokenizer.eos_token_id
+    vision = dict(pixel_values=pixel_values.to(device), image_grid_thw=grid.to(device))
+    if _takes_token_types(base_text_model(model).get_rope_index):
+        vision["mm_token_type_ids"] = token_types
+    raw = sample_text(model, tokenizer, input_ids, kwargs, seed, **vision)
+    return clean_generated_text(raw, tuple(getattr(tokenizer, "all_special_tokens", ())))
+
+
+def image_content_hash(image: PIL.Image.Image) -> str:
+    """sha256 of an image's RGB pixels and size: equal for equal content, whatever file it came from."""
+    rgb = to_rgb(image)
+    digest = hashlib.sha256(f"{rgb.width}x{rgb.height}:".encode())
+    digest.update(rgb.tobytes())
+    return digest.hexdigest()
+
+
+def model_fingerprint(model) -> str:
+    """Identify a model cheaply: class, name or path, and a hash of a few embedding rows (two random
+    models with the same empty name must not share descriptions)."""
+    name = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    digest = hashlib.sha256(f"{type(model).__name__}:{name}".encode())
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embeddings is not None:
+        digest.update(embeddings.weight[:4].detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+# Changing the instruction or sampling invalidates cached descriptions.
+_INSTRUCTION_VERSION = hashlib.sha256(
+    (DESCRIBE_STYLE_INSTRUCTION + DESCRIBE_STYLE_REQUEST + repr(_DESCRIPTION_SAMPLING)).encode()
+).hexdigest()[:12]
+STYLE_CACHE_FILE = "style_descriptions.json"
+
+
+class StyleDescriptionCache:
+    """Style descriptions cached per image content (and model, seed, length, instruction version).
+
+    In memory by default; with ``path`` (or :meth:`on_disk`) also persisted as one JSON file, written
+    atomically and merged with what other processes wrote meanwhile. ``hits`` and ``misses`` count lookups.
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        self.path = Path(path) if path is not None else None
+        self.hits = 0
+        self.misses = 0
+        self._entries: dict[str, str] = {}
+        self._loaded = self.path is None
+
+    @classmethod
+    def on_disk(cls, path: str | os.PathLike | None = None) -> "StyleDescriptionCache":
+        """A persistent cache; default file ``style_descriptions.json`` under :func:`tokenizer.cache_dir`."""
+        from .tokenizer import cache_dir
+
+        return cls(path if path is not None else cache_dir() / STYLE_CACHE_FILE)
+
+    def __len__(self) -> int:
+        self._load()
+        return len(self._entries)
+
+    def _read_file(self) -> dict[str, str]:
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return {}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            logger.warning("ignoring unreadable style description cache %s (%s)", self.path, err)
+            return {}
+        if not isinstance(data, dict):
+            logger.warning("ignoring style description cache %s: not a JSON object", self.path)
+            return {}
+        return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
+
+    def _load(self) -> None:
+        if not self._loaded:
+            self._entries = {**self._read_file(), **self._entries}
+            self._loaded = True
+
+    def _save(self) -> None:
+        from .files import atomic_write
+
+        merged = {**self._read_file(), **self._entries}
+        with atomic_write(self.path, "w") as handle:
+            json.dump(merged, handle, ensure_ascii=False, indent=0, sort_keys=True)
+        self._entries = merged
+
+    @staticmethod
+    def key(model, image: PIL.Image.Image, seed, max_new_tokens: int, max_pixels: int) -> str:
+        return f"{image_content_hash(image)}|{model_fingerprint(model)}|{_INSTRUCTION_VERSION}|{seed}|{max_new_tokens}|{max_pixels}"
+
+    def describe(self, model, tokenizer, image, seed: int = 0, max_new_tokens: int = DESCRIPTION_MAX_NEW_TOKENS,
+                 *, max_pixels: int = REFERENCE_MAX_PIXELS) -> str:
+        """:func:`describe_style`, computed once per (image content, model, seed, length)."""
+        if seed is None:
+            raise ValueError("cached style descriptions need a fixed seed (None would make every call differ)")
+        picture = _one_image(image)
+        key = self.key(model, picture, seed, max_new_tokens, max_pixels)
+        self._load()
+        if key in self._entries:
+            self.hits += 1
+            return self._entries[key]
+        self.misses += 1
+        text = describe_style(model, tokenizer, picture, seed=seed, max_new_tokens=max_new_tokens, max_pixels=max_pixels)
+        self._store(key, text)
+        return text
+
+    def _store(self, key: str, text: str) -> None:
+        self._entries[key] = text
+        if self.path is not None:
+            self._save()

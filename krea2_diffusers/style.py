@@ -1,0 +1,134 @@
+"""Weighted style references: turn reference images into extra conditioning for one generation.
+
+Two modes:
+
+* ``"reference"`` (the community workflow): each image enters the text encoder as vision tokens
+  before the prompt, and its VAE latents join the sequence after the target tokens at RoPE
+  position (k, i, j), modulated as timestep 0. Needs a style-reference LoRA to be meaningful.
+* ``"describe"`` (training-free): the VLM writes a content-free style description of each image
+  (cached per image) and each description enters as its own group of text tokens.
+
+In both, a reference's strength s becomes an additive ``log(s)`` bias on the attention logits of
+its tokens (as keys) in every attention layer: s = 1 is the plain mechanism, s -> 0 removes the
+reference (s = 0 references are dropped outright, so that removal is exact).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .conditioning import encode_prompts, pad_conditioning
+from .latents import encode_images, pack_latents, position_ids, round_to_multiple, PIXELS_PER_TOKEN
+
+STYLE_MODES = ("reference", "describe")
+
+
+@dataclass
+class StyleBatch:
+    """Text and reference inputs of a style-referenced generation, for every row of the batch.
+
+    embeds (B, L, layers, Dt), mask (B, L); groups[k]: [start, end) ranges of reference k's tokens
+    in the text; latents (B, R, 64) packed references (or None); latent_groups[k]: ranges in R;
+    positions (R, 3) RoPE coordinates of the reference tokens.
+    """
+
+    embeds: torch.Tensor
+    mask: torch.Tensor
+    strengths: list[float]
+    groups: list[list[tuple[int, int]]] = field(default_factory=list)
+    latents: torch.Tensor | None = None
+    latent_groups: list[tuple[int, int]] = field(default_factory=list)
+    positions: torch.Tensor | None = None
+
+    @property
+    def reference_len(self) -> int:
+        return 0 if self.latents is None else self.latents.shape[1]
+
+    def key_bias(self, image_len: int) -> torch.Tensor | None:
+        """(B, L + N + R) float: log(s_k) on reference k's keys, 0 elsewhere; None if all s = 1."""
+        if all(s == 1.0 for s in self.strengths):
+            return None
+        batch, text_len = self.mask.shape
+        bias = torch.zeros(batch, text_len + image_len + self.reference_len)
+        offset = text_len + image_len
+        for k, strength in enumerate(self.strengths):
+            log_s = math.log(strength)
+            for start, end in self.groups[k] if k < len(self.groups) else ():
+                bias[:, start:end] = log_s
+            if k < len(self.latent_groups):
+                start, end = self.latent_groups[k]
+                bias[:, offset + start: offset + end] = log_s
+        return bias
+
+
+def reference_size(image, height: int, width: int) -> tuple[int, int]:
+    """A reference's encoding size: the target's pixel area, the reference's aspect, multiples of 16."""
+    scale = math.sqrt(height * width / (image.width * image.height))
+    return round_to_multiple(max(PIXELS_PER_TOKEN, image.height * scale)), round_to_multiple(max(PIXELS_PER_TOKEN, image.width * scale))
+
+
+def encode_reference_latents(vae, images, height: int, width: int, device) -> tuple[torch.Tensor, list[tuple[int, int]], torch.Tensor]:
+    """VAE-encode references: packed latents (1, R, 64), per-reference ranges, positions (R, 3) at (k, i, j)."""
+    import numpy as np
+
+    packed, groups, positions, start = [], [], [], 0
+    for k, image in enumerate(images, start=1):
+        h, w = reference_size(image, height, width)
+        pixels = torch.from_numpy(np.asarray(image.convert("RGB").resize((w, h)), dtype=np.float32) / 255.0)
+        latents = encode_images(vae, pixels.permute(2, 0, 1)[None].to(device))
+        tokens = pack_latents(latents.float())
+        packed.append(tokens)
+        groups.append((start, start + tokens.shape[1]))
+        start += tokens.shape[1]
+        positions.append(position_ids(0, h // PIXELS_PER_TOKEN, w // PIXELS_PER_TOKEN, device, first_axis=k))
+    return torch.cat(packed, 1), groups, torch.cat(positions)
+
+
+def _reference_text(pipe, texts, images, max_sequence_length, device):
+    """Every text encoded with the images as vision tokens; groups are the same for every row."""
+    from .references import encode_prompt_with_images
+
+    embeds, masks, groups = [], [], None
+    for text in texts:
+        e, m, g = encode_prompt_with_images(pipe.text_encoder, pipe.tokenizer, text, images,
+                                            layers=pipe.config.text_encoder_select_layers, max_sequence_length=max_sequence_length)
+        embeds.append(e.to(device))
+        masks.append(m.to(device))
+        groups = [[tuple(r)] for r in g]
+    embeds, mask = pad_conditioning(embeds, masks)
+    return embeds, mask, groups
+
+
+def _described_text(pipe, texts, images, max_sequence_length, device, cache, seed):
+    """[prompt | description 1 | description 2 ...] token groups, the same offsets in every row."""
+    descriptions = [cache.describe(pipe.text_encoder, pipe.tokenizer, image, seed=seed) for image in images]
+    layers = pipe.config.text_encoder_select_layers
+    embeds, mask = encode_prompts(pipe.text_encoder, pipe.tokenizer, list(texts), layers=layers, max_sequence_length=max_sequence_length, device=device)
+    parts, masks, groups = [embeds], [mask], []
+    offset = embeds.shape[1]
+    for description in descriptions:
+        d_embeds, d_mask = encode_prompts(pipe.text_encoder, pipe.tokenizer, [description], layers=layers, max_sequence_length=max_sequence_length, device=device)
+        parts.append(d_embeds.expand(len(texts), -1, -1, -1))
+        masks.append(d_mask.expand(len(texts), -1))
+        groups.append([(offset, offset + d_embeds.shape[1])])
+        offset += d_embeds.shape[1]
+    return torch.cat(parts, 1), torch.cat(masks, 1), groups, descriptions
+
+
+def prepare_style_batch(pipe, texts: list[str], images, strengths: list[float], *, mode: str, height: int, width: int,
+                        max_sequence_length: int, device, cache=None, seed: int = 0) -> StyleBatch:
+    """Conditioning for ``texts`` (all rows: prompts then negatives) with the given references.
+
+    References of strength 0 must already be removed by the caller.
+    """
+    if mode not in STYLE_MODES:
+        raise ValueError(f"style_mode must be one of {STYLE_MODES}, got {mode!r}")
+    if mode == "reference":
+        embeds, mask, groups = _reference_text(pipe, texts, images, max_sequence_length, device)
+        latents, latent_groups, positions = encode_reference_latents(pipe.vae, images, height, width, device)
+        return StyleBatch(embeds, mask, strengths, groups, latents.expand(len(texts), -1, -1), latent_groups, positions)
+    embeds, mask, groups, _ = _described_text(pipe, texts, images, max_sequence_length, device, cache, seed)
+    return StyleBatch(embeds, mask, strengths, groups)

@@ -1,0 +1,177 @@
+"""Memory presets: the plan chosen for the full-size model at each budget, and each mechanism
+applied to the tiny pipeline (on CPU, where offload moves are no-ops but the hooks still run)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from krea2_diffusers import Krea2Pipeline
+from krea2_diffusers.memory import (
+    GIB,
+    MEMORY_PRESETS,
+    MemoryPlan,
+    _budget,
+    apply_memory_preset,
+    apply_plan,
+    plan_memory,
+    release_text_encoder,
+)
+
+# Full-size Krea 2 in bf16 (ARCHITECTURE.md: 12.82B transformer; Qwen3-VL-4B ~4.44B with vision).
+TRANSFORMER = int(12.82e9 * 2)
+TEXT_ENCODER = int(4.44e9 * 2)
+VAE = int(0.127e9 * 2)
+Q4_GGUF_TRANSFORMER = int(7.4e9)  # a Q4_K_M file's packed size
+CPU = torch.device("cpu")
+
+
+def plan_for(preset, bnb=True, transformer=TRANSFORMER, compact=False):
+    return plan_memory(transformer, TEXT_ENCODER, VAE, _budget(preset, torch.device("cuda")),
+                       bnb_available=bnb, transformer_compact=compact)
+
+
+def test_bad_preset_lists_valid_ones(tiny_pipe):
+    with pytest.raises(ValueError, match="auto, high, 24gb, 16gb, 12gb, 8gb"):
+        apply_memory_preset(tiny_pipe, "4gb")
+
+
+@pytest.mark.parametrize(
+    "preset, bnb, expected",
+    [
+        ("high", True, ("none", None, None)),
+        ("24gb", True, ("model", "fp8", None)),
+        ("16gb", True, ("model", "nf4", None)),
+        ("16gb", False, ("group", "fp8", None)),
+        ("12gb", True, ("model", "nf4", "nf4")),
+        ("8gb", True, ("group", "fp8", None)),
+    ],
+)
+def test_full_size_plans(preset, bnb, expected):
+    plan = plan_for(preset, bnb)
+    assert (plan.offload, plan.transformer_storage, plan.text_encoder_storage) == expected
+    if plan.budget is not None:
+        assert plan.estimated_peak <= plan.budget
+    if not bnb:
+        assert any("bitsandbytes" in note for note in plan.notes)  # says why NF4 was not used
+
+
+def test_gguf_transformer_is_not_quantized_again():
+    plan = plan_for("16gb", transformer=Q4_GGUF_TRANSFORMER, compact=True)
+    assert (plan.offload, plan.transformer_storage) == ("model", None)
+    assert plan.estimated_peak <= plan.budget
+
+
+@pytest.fixture(scope="module")
+def prompt_embeds(tiny_pipe):
+    embeds, mask = tiny_pipe.encode_prompt(["a red cube", ""], device=CPU)
+    return embeds, mask
+
+
+def generate(pipe, prompt_embeds):
+    embeds, mask = prompt_embeds
+    return pipe(prompt_embeds=embeds[:1], prompt_embeds_mask=mask[:1], negative_prompt_embeds=embeds[1:],
+                negative_prompt_embeds_mask=mask[1:], height=64, width=64, num_inference_steps=2, guidance_scale=1.0,
+                generator=torch.Generator().manual_seed(0), output_type="latent").images.float()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_pipe, prompt_embeds):
+    return generate(tiny_pipe, prompt_embeds)
+
+
+def fresh_pipe():
+    pipe = Krea2Pipeline.from_pretrained("tiny-random")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def test_model_offload_is_exact(prompt_embeds, reference):
+    pipe = fresh_pipe()
+    apply_plan(pipe, MemoryPlan(offload="model"), CPU)
+    from accelerate.hooks import CpuOffload
+
+    assert isinstance(getattr(pipe.transformer, "_hf_hook", None), CpuOffload)
+    assert len(pipe._all_hooks) == 3  # text encoder, transformer, VAE
+    torch.testing.assert_close(generate(pipe, prompt_embeds), reference, rtol=0, atol=0)
+
+
+def test_fp8_storage_with_group_offload(prompt_embeds, reference):
+    pipe = fresh_pipe()
+    apply_plan(pipe, MemoryPlan(offload="group", transformer_storage="fp8"), CPU)
+    from diffusers.hooks.group_offloading import _is_group_offload_enabled
+
+    assert _is_group_offload_enabled(pipe.transformer) and _is_group_offload_enabled(pipe.text_encoder)
+    assert pipe.transformer.transformer_blocks[0].ff.up.weight.dtype == torch.float8_e4m3fn
+    assert pipe.transformer.transformer_blocks[0].norm1.weight.dtype == torch.float32  # skipped pattern
+    out = generate(pipe, prompt_embeds)
+    assert 1e-5 < rel(out, reference) < 5e-2  # fp8 e4m3 has 3 mantissa bits: visible but small
+
+
+def test_nf4_transformer_and_text_encoder(prompt_embeds, reference):
+    bnb = pytest.importorskip("bitsandbytes")
+    pipe = fresh_pipe()
+    apply_plan(pipe, MemoryPlan(offload="model", transformer_storage="nf4", text_encoder_storage="nf4"), CPU)
+    assert isinstance(pipe.transformer.transformer_blocks[0].attn.to_q, bnb.nn.Linear4bit)
+    assert not isinstance(pipe.transformer.img_in, bnb.nn.Linear4bit)  # kept in full precision
+    assert sum(isinstance(m, bnb.nn.Linear4bit) for m in pipe.text_encoder.modules()) > 0
+    embeds, mask = pipe.encode_prompt(["a red cube", ""], device=CPU)  # the NF4 text encoder runs
+    assert torch.isfinite(embeds).all()
+    out = generate(pipe, prompt_embeds)
+    assert 1e-4 < rel(out, reference) < 0.5
+
+
+def test_preset_description_and_auto_on_cpu(prompt_embeds, reference):
+    pipe = fresh_pipe()
+    text = apply_memory_preset(pipe, "auto", device="cpu")
+    assert text.startswith("memory='auto' on cpu: all components resident") and "no limit" in text
+    torch.testing.assert_close(generate(pipe, prompt_embeds), reference, rtol=0, atol=0)
+
+
+def test_bitsandbytes_missing_is_a_clear_error(monkeypatch):
+    from krea2_diffusers.bnb import BitsAndBytesUnavailable, quantize_transformer_
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # makes `import bitsandbytes` fail
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(BitsAndBytesUnavailable, match="bitsandbytes needs to be installed"):
+        quantize_transformer_(model, "nf4")
+    assert type(model[0]) is torch.nn.Linear  # nothing was changed
+    with pytest.raises(ValueError, match="nf4', 'int8"):
+        from krea2_diffusers.bnb import quantize_linears_
+
+        quantize_linears_(model, "fp4")
+
+
+def test_release_text_encoder(prompt_embeds, reference):
+    pipe = fresh_pipe()
+    release_text_encoder(pipe)
+    assert pipe.text_encoder is None
+    torch.testing.assert_close(generate(pipe, prompt_embeds), reference, rtol=0, atol=0)
+
+
+def test_presets_constant_is_the_documented_list():
+    assert MEMORY_PRESETS == ("auto", "high", "24gb", "16gb", "12gb", "8gb")
+    assert _budget("8gb", CPU) < 8 * GIB
+
+
+def test_nf4_leaves_loaded_lora_matrices_alone():
+    pytest.importorskip("bitsandbytes")
+    from peft import LoraConfig
+
+    from krea2_diffusers.bnb import quantize_transformer_
+    from krea2_diffusers.tiny import tiny_transformer_config
+
+    from krea2_diffusers.transformer import Krea2Transformer2DModel
+
+    transformer = Krea2Transformer2DModel(**tiny_transformer_config()).eval()
+    transformer.add_adapter(LoraConfig(r=2, target_modules=["to_q"], init_lora_weights=False))
+    quantize_transformer_(transformer, "nf4", compute_dtype=torch.float32)
+    wrapped = transformer.transformer_blocks[0].attn.to_q
+    assert type(wrapped.lora_A["default"]) is torch.nn.Linear and wrapped.lora_A["default"].weight.dtype == torch.float32
+    assert type(wrapped.base_layer).__name__ == "Linear4bit"
