@@ -4,6 +4,7 @@ diffusers and original layouts."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -13,6 +14,8 @@ from krea2_diffusers.convert import convert_diffusers_to_original
 from krea2_diffusers.lora import lora_layers_from_diffusers_state_dict, lora_metadata, save_lora_file
 
 from .config import TrainConfig
+
+logger = logging.getLogger("finetune")
 
 LORA_FILE_NAMES = {
     "diffusers": "lora_diffusers.safetensors",
@@ -32,6 +35,7 @@ def export_lora(trainable_state: dict[str, torch.Tensor], config: TrainConfig, o
             continue
         if fmt != "diffusers" and config.lora.use_dora:
             # DoRA magnitudes have no agreed spelling in these formats; better no file than a wrong one.
+            logger.warning("export: DoRA LoRAs are written in the diffusers format only; skipping %s", fmt)
             continue
         meta = lora_metadata(layers, fmt, base, trained_alpha=config.lora.alpha,
                              trigger_words=config.export.trigger_words, steps=steps)

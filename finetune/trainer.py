@@ -106,6 +106,10 @@ class Trainer:
             self.pipe, self.samples, self.buckets, config.data.cache_dir or self.out / "cache",
             config.model.max_sequence_length, runtime.device, runtime.rank, runtime.world_size, runtime.barrier,
         )
+        if runtime.device.type == "cuda":
+            # Everything is cached: the 4B text encoder only comes back for validation prompts.
+            self.pipe.text_encoder.to("cpu")
+            torch.cuda.empty_cache()
         transformer = self.pipe.transformer
         torch.manual_seed(config.training.seed)  # LoRA A init: same on every process
         if config.training.method == "lora":

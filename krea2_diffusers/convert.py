@@ -77,38 +77,34 @@ def _rename(name: str, pairs, reverse: bool) -> str | None:
     return None
 
 
-def original_module_to_diffusers(name: str) -> str:
-    """Map one original tensor or module name (prefix allowed) to its diffusers name."""
-    name = strip_original_prefix(name)
-    match = _ORIG_BLOCK.match(name)
+# Block containers: (original head, diffusers head); block indices are kept.
+_BLOCK_HEADS = (("blocks.", "transformer_blocks."), ("txtfusion.", "text_fusion."))
+
+
+def _map_name(name: str, reverse: bool) -> str:
+    layout = "diffusers" if reverse else "original"
+    match = (_DIFF_BLOCK if reverse else _ORIG_BLOCK).match(name)
     if match:
         head, tail = match.groups()
-        head = head.replace("blocks.", "transformer_blocks.", 1) if head.startswith("blocks.") else head
-        head = head.replace("txtfusion.", "text_fusion.", 1)
-        new_tail = _rename(tail, _IN_BLOCK, reverse=False)
+        head = _rename(head, _BLOCK_HEADS, reverse)
+        new_tail = _rename(tail, _IN_BLOCK, reverse)
         if new_tail is None:
-            raise UnknownKeyError(f"unknown original key {name!r} (no rename for {tail!r} inside a block)")
+            raise UnknownKeyError(f"unknown {layout} key {name!r} (no rename for {tail!r} inside a block)")
         return head + new_tail
-    renamed = _rename(name, _TOP_LEVEL, reverse=False)
+    renamed = _rename(name, _TOP_LEVEL, reverse)
     if renamed is None:
-        raise UnknownKeyError(f"unknown original key {name!r}")
+        raise UnknownKeyError(f"unknown {layout} key {name!r}")
     return renamed
+
+
+def original_module_to_diffusers(name: str) -> str:
+    """Map one original tensor or module name (prefix allowed) to its diffusers name."""
+    return _map_name(strip_original_prefix(name), reverse=False)
 
 
 def diffusers_module_to_original(name: str) -> str:
     """Map one diffusers tensor or module name to its original name (no prefix)."""
-    match = _DIFF_BLOCK.match(name)
-    if match:
-        head, tail = match.groups()
-        head = head.replace("transformer_blocks.", "blocks.", 1).replace("text_fusion.", "txtfusion.", 1)
-        new_tail = _rename(tail, _IN_BLOCK, reverse=True)
-        if new_tail is None:
-            raise UnknownKeyError(f"unknown diffusers key {name!r} (no rename for {tail!r} inside a block)")
-        return head + new_tail
-    renamed = _rename(name, _TOP_LEVEL, reverse=True)
-    if renamed is None:
-        raise UnknownKeyError(f"unknown diffusers key {name!r}")
-    return renamed
+    return _map_name(name, reverse=True)
 
 
 def _is_block_modulation(diffusers_name: str) -> bool:

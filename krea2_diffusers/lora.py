@@ -249,13 +249,13 @@ def apply_lora_layers(transformer: nn.Module, layers: Mapping[str, LoraLayer], a
         target_modules=sorted(folded), use_dora=use_dora, init_lora_weights=False,
     )
     transformer.add_adapter(config, adapter_name=name)
-    dtype = next(transformer.parameters()).dtype
+    # No dtype cast here: PEFT keeps adapters in float32 over a bf16 base and copies into them.
     peft_state = {}
     for module, layer in folded.items():
-        peft_state[f"{module}.lora_A.weight"] = layer.down.to(dtype)
-        peft_state[f"{module}.lora_B.weight"] = layer.up.to(dtype)
+        peft_state[f"{module}.lora_A.weight"] = layer.down
+        peft_state[f"{module}.lora_B.weight"] = layer.up
         if layer.magnitude is not None:
-            peft_state[f"{module}.lora_magnitude_vector"] = layer.magnitude.to(dtype)
+            peft_state[f"{module}.lora_magnitude_vector"] = layer.magnitude
     result = set_peft_model_state_dict(transformer, peft_state, adapter_name=name)
     unexpected = getattr(result, "unexpected_keys", None) or []
     if unexpected:

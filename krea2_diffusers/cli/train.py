@@ -43,14 +43,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from finetune.config import load_config
-    from finetune.trainer import train
+    from finetune.trainer import NonFiniteLossError, train
 
     overrides = list(args.overrides)
     if args.output_dir:
         overrides.append(f"output_dir={args.output_dir}")
     config = load_config(args.config, overrides)
     logging.getLogger("finetune").setLevel(logging.INFO)
-    result = train(config, resume=args.resume)
+    try:
+        result = train(config, resume=args.resume)
+    except NonFiniteLossError as err:  # not a usage error: its own exit code, no traceback
+        print(f"krea2 train: {err}", file=sys.stderr)
+        return 3
     if result.interrupted:
         print(f"stopped at step {result.final_step}; continue with --resume", file=sys.stderr)
         return 130
@@ -64,14 +68,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m finetune")
     sub = parser.add_subparsers(dest="command")
     train_parser = add_parser(sub)
+    train_parser.prog = "python -m finetune"
     args = train_parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from finetune.config import ConfigError
     from finetune.data import DatasetError
-    from finetune.trainer import NonFiniteLossError, RunDirectoryError
+    from finetune.trainer import RunDirectoryError
 
     try:
         return run(args)
-    except (ConfigError, DatasetError, RunDirectoryError, NonFiniteLossError) as err:
+    except (ConfigError, DatasetError, RunDirectoryError) as err:
         print(f"krea2 train: error: {err}", file=sys.stderr)
         return 2
