@@ -9,6 +9,7 @@ the ratio (target: ours <= 0.4x theirs) and the largest pixel difference.
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 
 import numpy as np
@@ -23,16 +24,39 @@ TRANSFORMER = dict(
 )
 
 
-def build(seed: int = 0):
+def build(seed: int = 0, components: str = "proportioned"):
     import diffusers
-    from transformers import Qwen3VLForConditionalGeneration
 
-    from krea2_diffusers import Krea2Pipeline, Krea2Transformer2DModel
-    from krea2_diffusers.tiny import randomize_, tiny_components, tiny_text_encoder_config
+    from krea2_diffusers import Krea2Pipeline
+    from krea2_diffusers.tiny import tiny_components
 
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     parts = tiny_components(seed)
+    if components == "proportioned":
+        _proportion(parts, generator)
+    # diffusers gets its own, untouched copy of the VAE (ours switches it to 2-D convolutions).
+    theirs_vae = copy.deepcopy(parts["vae"])
+    ours = Krea2Pipeline(**parts)
+    config = dict(parts["transformer"].config)
+    theirs_transformer = diffusers.Krea2Transformer2DModel(**config)
+    theirs_transformer.load_state_dict(parts["transformer"].state_dict())
+    theirs = diffusers.Krea2Pipeline(
+        scheduler=parts["scheduler"], vae=theirs_vae, text_encoder=parts["text_encoder"].model,
+        tokenizer=parts["tokenizer"], transformer=theirs_transformer.eval(),
+    )
+    for pipe in (ours, theirs):
+        pipe.set_progress_bar_config(disable=True)
+    return ours, theirs
+
+
+def _proportion(parts: dict, generator) -> None:
+    """Swap in the proportioned text encoder and transformer."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from krea2_diffusers import Krea2Transformer2DModel
+    from krea2_diffusers.tiny import randomize_, tiny_text_encoder_config
+
     te_config = tiny_text_encoder_config()
     te_config.text_config.hidden_size = TRANSFORMER["text_hidden_dim"]
     te_config.text_config.intermediate_size = 432
@@ -45,16 +69,6 @@ def build(seed: int = 0):
     parts["transformer"] = Krea2Transformer2DModel(**TRANSFORMER).eval()
     for module in (parts["text_encoder"], parts["transformer"]):
         randomize_(module, generator)
-    ours = Krea2Pipeline(**parts)
-    theirs_transformer = diffusers.Krea2Transformer2DModel(**TRANSFORMER)
-    theirs_transformer.load_state_dict(parts["transformer"].state_dict())
-    theirs = diffusers.Krea2Pipeline(
-        scheduler=parts["scheduler"], vae=parts["vae"], text_encoder=parts["text_encoder"].model,
-        tokenizer=parts["tokenizer"], transformer=theirs_transformer.eval(),
-    )
-    for pipe in (ours, theirs):
-        pipe.set_progress_bar_config(disable=True)
-    return ours, theirs
 
 
 def timed(pipe, repeats: int, **kwargs):
@@ -72,8 +86,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--guidance", type=float, default=3.5)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--components", choices=("proportioned", "tiny"), default="proportioned",
+                        help="proportioned: 1/16-width model shaped like the release; tiny: the tiny-random test model")
     args = parser.parse_args()
-    ours, theirs = build()
+    ours, theirs = build(components=args.components)
     tokens = (args.size // 16) ** 2
     latents = torch.randn(1, tokens, 64, generator=torch.Generator().manual_seed(0))
     kwargs = dict(prompt="a red fox in the snow", height=args.size, width=args.size, num_inference_steps=args.steps,
@@ -81,7 +97,7 @@ def main() -> None:
     with torch.inference_mode():
         t_theirs, img_theirs = timed(theirs, args.repeats, latents=latents.clone(), **kwargs)
         t_ours, img_ours = timed(ours, args.repeats, latents=latents.clone(), **kwargs)
-    print(f"{args.size}x{args.size}, {args.steps} steps, CFG {args.guidance}, torch threads {torch.get_num_threads()}")
+    print(f"{args.components} components, {args.size}x{args.size}, {args.steps} steps, CFG {args.guidance}, torch threads {torch.get_num_threads()}")
     print(f"diffusers.Krea2Pipeline : {t_theirs:7.2f} s")
     print(f"krea2_diffusers         : {t_ours:7.2f} s")
     print(f"ratio ours/theirs       : {t_ours / t_theirs:7.3f}  (target <= 0.4)")

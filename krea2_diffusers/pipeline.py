@@ -25,6 +25,7 @@ from .presets import preset_for
 from .style import STYLE_MODES
 from .tiny import TINY_LABEL, is_tiny, tiny_components
 from .transformer import Krea2Transformer2DModel
+from .vae import enable_single_frame_convs
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class Krea2Pipeline(DiffusionPipeline):
         if patch_size != PATCH_SIZE:
             raise ValueError(f"Krea 2 uses patch_size={PATCH_SIZE}, got {patch_size}")
         self.register_modules(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
+        if vae is not None:
+            enable_single_frame_convs(vae)  # images are single frames: 2-D convs, same result
         layers = tuple(text_encoder_select_layers) if text_encoder_select_layers is not None else TAPPED_LAYERS
         expected = getattr(getattr(transformer, "config", None), "num_text_layers", len(layers))
         if len(layers) != expected:
