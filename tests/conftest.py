@@ -27,6 +27,16 @@ def random_state_dict(model: torch.nn.Module, seed: int = 0, std: float = 0.3) -
     return {k: torch.randn(v.shape, generator=generator, dtype=torch.float64).to(v.dtype) * std for k, v in model.state_dict().items()}
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny matrices: extra threads only add synchronisation (token-by-token decoding is ~20x slower
+    with 2 threads on a busy 2-core machine). Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_pipe() -> Krea2Pipeline:
     pipe = Krea2Pipeline.from_pretrained("tiny-random")

@@ -15,14 +15,7 @@ from krea2_diffusers.expander import (
 NEW_TOKENS = 5
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Token-by-token decoding of a 32-wide model is all thread synchronisation: on a busy 2-core box
-    one thread is ~20x faster than two. Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class ScriptedLM(torch.nn.Module):

@@ -38,12 +38,7 @@ def _config(out: Path, cache: Path, method: str, batch_size: int) -> dict:
     }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _torchrun(config: dict, folder: Path) -> str:

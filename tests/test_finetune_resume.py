@@ -39,13 +39,7 @@ def _config(out: Path, cache: Path) -> dict:
     }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # The subprocesses run single-threaded too, so all runs sum in the same order.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _start(config: dict, folder: Path) -> subprocess.Popen:

@@ -68,12 +68,7 @@ def trained(tmp_path_factory):
     return trainer, result
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2-core CI: oversubscribed threads make tiny steps 10x slower
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _generate(pipe, prompts):

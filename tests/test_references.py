@@ -24,13 +24,7 @@ SMALL = 64 * 64
 NEW_TOKENS = 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matrices: threads only add synchronisation (see test_expander). Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def noise_image(seed: int, size=(64, 64), mode="RGB") -> PIL.Image.Image:

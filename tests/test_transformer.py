@@ -10,7 +10,7 @@ import torch
 from krea2_diffusers import Krea2Transformer2DModel, convert_diffusers_to_original
 from krea2_diffusers.latents import position_ids
 
-from conftest import pair_of_transformers, small_config
+from conftest import pair_of_transformers
 
 KEYS = Path(__file__).resolve().parents[2] / "shared" / "krea2" / "original_keys.json"
 

@@ -30,12 +30,7 @@ from krea2_diffusers.transformer import Krea2Transformer2DModel  # noqa: E402
 from gguf import GGMLQuantizationType  # noqa: E402
 
 Q = GGMLQuantizationType
-FULL_CONFIG = dict(  # the released model (ARCHITECTURE.md)
-    in_channels=64, num_layers=28, attention_head_dim=128, num_attention_heads=48, num_key_value_heads=12,
-    intermediate_size=16384, timestep_embed_dim=256, text_hidden_dim=2560, num_text_layers=12,
-    text_num_attention_heads=20, text_num_key_value_heads=20, text_intermediate_size=6912,
-    num_layerwise_text_blocks=2, num_refiner_text_blocks=2, axes_dims_rope=(32, 48, 48),
-)
+FULL_CONFIG: dict = {}  # the class defaults are the released model (ARCHITECTURE.md)
 TINY_CONFIG = dict(
     in_channels=64, num_layers=2, attention_head_dim=64, num_attention_heads=4, num_key_value_heads=1,
     intermediate_size=768, timestep_embed_dim=256, text_hidden_dim=256, num_text_layers=12,

@@ -31,20 +31,11 @@ from finetune.methods import add_lora  # noqa: E402
 from finetune.objective import add_noise, flow_matching_loss, sample_timesteps  # noqa: E402
 from finetune.optim import make_optimizer  # noqa: E402
 from krea2_diffusers.latents import position_ids  # noqa: E402
+from krea2_diffusers.tiny import tiny_transformer_config  # noqa: E402
 from krea2_diffusers.transformer import Krea2Transformer2DModel  # noqa: E402
 
-FULL_CONFIG = dict(  # the released model (ARCHITECTURE.md)
-    in_channels=64, num_layers=28, attention_head_dim=128, num_attention_heads=48, num_key_value_heads=12,
-    intermediate_size=16384, timestep_embed_dim=256, text_hidden_dim=2560, num_text_layers=12,
-    text_num_attention_heads=20, text_num_key_value_heads=20, text_intermediate_size=6912,
-    num_layerwise_text_blocks=2, num_refiner_text_blocks=2, axes_dims_rope=(32, 48, 48),
-)
-TINY_CONFIG = dict(
-    in_channels=64, num_layers=2, attention_head_dim=16, num_attention_heads=4, num_key_value_heads=2,
-    intermediate_size=128, timestep_embed_dim=32, text_hidden_dim=32, num_text_layers=12,
-    text_num_attention_heads=2, text_num_key_value_heads=2, text_intermediate_size=64,
-    num_layerwise_text_blocks=2, num_refiner_text_blocks=2, axes_dims_rope=(4, 6, 6),
-)
+FULL_CONFIG: dict = {}  # the class defaults are the released model (ARCHITECTURE.md)
+TINY_CONFIG = tiny_transformer_config()
 VARIANTS = {  # name: (gradient checkpointing, optimizer)
     "adamw": (False, "adamw"),
     "ckpt-adamw": (True, "adamw"),
