@@ -341,7 +341,8 @@ class Krea2Pipeline(DiffusionPipeline):
     def _style_batch(self, prompts, negatives, style_images, style_strengths, mode, moodboard, height, width,
                      max_sequence_length, device):
         """The style-referenced text (prompts then negatives) and reference inputs, or None."""
-        from .references import StyleDescriptionCache, check_style_inputs, load_reference_images
+        from .descriptions import StyleDescriptionCache
+        from .references import check_style_inputs, load_reference_images
         from .style import prepare_style_batch
 
         # Checked before any model work; strengths come back one per image.

@@ -11,11 +11,12 @@ import PIL.Image
 import pytest
 import torch
 
-from krea2_diffusers import references
+from krea2_diffusers import descriptions
 from krea2_diffusers.conditioning import ASSISTANT_SUFFIX, SYSTEM_PREFIX, encode_prompts, template_counts
+from krea2_diffusers.descriptions import StyleDescriptionCache, describe_style
 from krea2_diffusers.references import (
-    DEFAULT_MOODBOARD_STRENGTH, IMAGE_PAD, MAX_MOODBOARD_IMAGES, MAX_STYLE_REFERENCES, StyleDescriptionCache,
-    check_style_inputs, describe_style, encode_prompt_with_images,
+    DEFAULT_MOODBOARD_STRENGTH, IMAGE_PAD, MAX_MOODBOARD_IMAGES, MAX_STYLE_REFERENCES,
+    check_style_inputs, encode_prompt_with_images,
     load_reference_images, parse_style_ref, vision_block, vision_inputs,
 )
 
@@ -206,7 +207,7 @@ def test_description_cache_hits_on_a_repeated_image(tiny_pipe, tmp_path, monkeyp
     def no_model(*args, **kwargs):
         raise AssertionError("a cached description must not be recomputed")
 
-    monkeypatch.setattr(references, "describe_style", no_model)
+    monkeypatch.setattr(descriptions, "describe_style", no_model)
     reopened = StyleDescriptionCache(tmp_path / "cache" / "styles.json")
     assert reopened.describe(te, tok, path, max_new_tokens=NEW_TOKENS, max_pixels=SMALL) == first
     assert (reopened.hits, reopened.misses) == (1, 0) and len(reopened) == 2
@@ -223,6 +224,6 @@ def test_corrupt_cache_file_is_ignored(tmp_path):
 
 def test_default_on_disk_cache_lives_under_the_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("KREA2_CACHE", str(tmp_path))
-    assert StyleDescriptionCache.on_disk().path == tmp_path / references.STYLE_CACHE_FILE
+    assert StyleDescriptionCache.on_disk().path == tmp_path / descriptions.STYLE_CACHE_FILE
 
 
