@@ -33,15 +33,11 @@ class TemplateCounts:
 
 
 @lru_cache(maxsize=8)
-def _counts(tokenizer_id: int, tokenizer) -> TemplateCounts:
+def template_counts(tokenizer) -> TemplateCounts:
+    """Token counts of the template's prefix and suffix (34 and 5 with the Qwen tokenizer)."""
     prefix = len(tokenizer(SYSTEM_PREFIX, add_special_tokens=False).input_ids)
     suffix = len(tokenizer(ASSISTANT_SUFFIX, add_special_tokens=False).input_ids)
     return TemplateCounts(prefix, suffix)
-
-
-def template_counts(tokenizer) -> TemplateCounts:
-    """Token counts of the template's prefix and suffix (34 and 5 with the Qwen tokenizer)."""
-    return _counts(id(tokenizer), tokenizer)
 
 
 def tokenize_prompts(tokenizer, prompts: list[str], max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH, pad_to_max: bool = False):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .files import split_path_and_number
 from .metadata import save_png
 from .presets import looks_distilled, preset_for
 from .tiny import is_tiny
@@ -79,13 +80,7 @@ class Result:
 
 def parse_lora(spec: str) -> tuple[str, float]:
     """``"path"`` or ``"path:strength"`` -> (path, strength), as ``--lora`` takes it."""
-    path, colon, strength = spec.rpartition(":")
-    if colon:
-        try:
-            return path, float(strength)
-        except ValueError:  # a colon inside the path, as in C:/...
-            pass
-    return spec, 1.0
+    return split_path_and_number(spec, 1.0)
 
 
 def random_seed() -> int:

@@ -67,6 +67,21 @@ def atomic_write_dir(path: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+def split_path_and_number(spec: str, default: float) -> tuple[str, float]:
+    """``PATH`` or ``PATH:NUMBER`` (as ``--lora`` and ``--style-ref`` take them) -> (path, number).
+
+    Splits on the last colon only when what follows parses as a number, so Windows drive letters
+    (``C:\\refs\\a.png``) and colons inside file names stay in the path.
+    """
+    head, sep, tail = spec.rpartition(":")
+    if sep and head:
+        try:
+            return head, float(tail)
+        except ValueError:
+            pass  # the colon belongs to the path
+    return spec, default
+
+
 def save_safetensors(tensors: dict[str, torch.Tensor], path, metadata: dict[str, str] | None = None) -> None:
     """Atomically write a safetensors file."""
     from safetensors.torch import save

@@ -29,6 +29,7 @@ import numpy as np
 import PIL.Image
 import torch
 
+from .files import split_path_and_number
 from .conditioning import (
     ASSISTANT_SUFFIX, DEFAULT_MAX_SEQUENCE_LENGTH, SYSTEM_PREFIX, TAPPED_LAYERS, base_text_model, template_counts,
 )
@@ -219,20 +220,12 @@ def check_style_inputs(style_images, style_strengths=None, max_references: int =
 def parse_style_ref(spec: str) -> tuple[str, float]:
     """Parse the CLI's ``--style-ref PATH[:STRENGTH]`` (strength defaults to 1).
 
-    Splits on the LAST colon only when what follows parses as a number, so Windows drive letters
-    (``C:\\refs\\a.png``) and colons inside file names survive: ``C:\\a.png:0.6`` -> (``C:\\a.png``, 0.6).
+    Windows drive letters and colons inside file names stay in the path (see
+    :func:`files.split_path_and_number`): ``C:\\a.png:0.6`` -> (``C:\\a.png``, 0.6).
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"--style-ref needs PATH or PATH:STRENGTH, got {spec!r}")
-    path, strength = spec, DEFAULT_STYLE_STRENGTH
-    head, sep, tail = spec.rpartition(":")
-    if sep and head:
-        try:
-            strength = float(tail)
-        except ValueError:
-            pass  # the colon belongs to the path
-        else:
-            path = head
+    path, strength = split_path_and_number(spec, DEFAULT_STYLE_STRENGTH)
     return path, _check_strength(strength, f"strength in --style-ref {spec!r}")
 
 
