@@ -2,6 +2,6 @@
 
 import sys
 
-from krea2_diffusers.cli.train import main
+from .cli import main
 
 sys.exit(main())

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -23,7 +22,9 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 from PIL import Image
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from krea2_diffusers.files import save_safetensors
 
 from .buckets import Bucket, resize_to_bucket
 from .data import Sample
@@ -63,13 +64,6 @@ def _hash(*parts: bytes | str) -> str:
         digest.update(part if isinstance(part, bytes) else part.encode())
         digest.update(b"\0")
     return digest.hexdigest()[:32]
-
-
-def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-    os.replace(tmp, path)
 
 
 def load_image_tensor(sample: Sample, bucket: Bucket) -> torch.Tensor:
@@ -160,9 +154,9 @@ def build_cache(
         for index in todo_latents:
             pixels = load_image_tensor(samples[index], buckets[index])[None].to(device)
             latents = encoding.encode_images(pipe, pixels)[0]
-            _atomic_save({"latents": latents.float().cpu()}, latent_files[index])
+            save_safetensors({"latents": latents.float().cpu()}, latent_files[index])
         for caption in todo_text:
             embeds, mask = pipe.encode_prompt(caption, device=device, max_sequence_length=max_sequence_length)
-            _atomic_save({"prompt_embeds": embeds[0][mask[0]].cpu()}, text_file[caption])
+            save_safetensors({"prompt_embeds": embeds[0][mask[0]].cpu()}, text_file[caption])
     barrier()
     return TrainingCache(latent_files, [text_file[c] for c in captions], text_file[""])

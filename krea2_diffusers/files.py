@@ -30,22 +30,47 @@ class CheckpointError(ValueError):
     """A model file that cannot be used; the message names the file and the tensor at fault."""
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# Files we publish get the ordinary permissions (0644 under umask 022), not mkstemp's 0600: a
+# ComfyUI or a training job running as another user must be able to read them.
+FILE_MODE = 0o666
+DIR_MODE = 0o777
+
+
 @contextlib.contextmanager
-def atomic_write(path: str | os.PathLike, mode: str = "wb"):
-    """Write ``path`` through a temporary file in the same folder, renamed into place on success."""
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success it is fsynced and renamed onto ``path``.
+
+    The one atomic-write mechanism of the project: for writers that take a file name (safetensors'
+    ``save_file``, ``GGUFWriter``, pyarrow). A reader never sees a half-written ``path``; on error
+    (or a kill) only a hidden ``.NAME.*.tmp`` file is left, never a truncated ``path``.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, mode) as handle:
-            yield handle
-            handle.flush()
+        yield Path(tmp)
+        os.chmod(tmp, FILE_MODE & ~_umask())
+        with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "wb"):
+    """Write ``path`` through an open handle on a temporary file (see :func:`atomic_path`)."""
+    with atomic_path(path) as tmp, open(tmp, mode) as handle:
+        yield handle
 
 
 @contextlib.contextmanager
@@ -56,6 +81,7 @@ def atomic_write_dir(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         yield tmp
+        os.chmod(tmp, DIR_MODE & ~_umask())
         try:
             os.rename(tmp, path)
         except OSError:
@@ -83,12 +109,11 @@ def split_path_and_number(spec: str, default: float) -> tuple[str, float]:
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path, metadata: dict[str, str] | None = None) -> None:
-    """Atomically write a safetensors file."""
-    from safetensors.torch import save
+    """Atomically write a safetensors file (streamed by safetensors, not built in memory first)."""
+    from safetensors.torch import save_file
 
-    data = save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
-    with atomic_write(path) as handle:
-        handle.write(data)
+    with atomic_path(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
 
 
 def read_safetensors_header(path) -> tuple[dict[str, dict], dict[str, str], int]:

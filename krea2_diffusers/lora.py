@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .convert import UnknownKeyError, diffusers_module_to_original
+from .files import save_safetensors
 
 # Key suffix -> role. Longest first so ".lora_A.default.weight" never reads as ".weight".
 _SUFFIXES = (
@@ -405,8 +406,6 @@ def lora_metadata(layers: Mapping[str, LoraLayer], fmt: str, base_model: str, tr
 
 def save_lora_file(path: str | Path, layers: Mapping[str, LoraLayer], fmt: str, metadata: Mapping[str, str]) -> Path:
     """Write ``layers`` in ``fmt`` (``diffusers`` / ``comfyui`` / ``kohya``) with ``metadata``."""
-    from safetensors.torch import save_file
-
     if fmt not in FORMATS:
         raise ValueError(f"unknown LoRA format {fmt!r}; choose from {sorted(FORMATS)}")
     tensors = FORMATS[fmt](layers)
@@ -414,8 +413,5 @@ def save_lora_file(path: str | Path, layers: Mapping[str, LoraLayer], fmt: str, 
     if len(zero) == len(layers):
         raise ValueError("every lora_B / up weight is zero: this LoRA would do nothing (was it trained?)")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(tmp), metadata=dict(metadata))
-    tmp.replace(path)
+    save_safetensors(tensors, path, metadata=dict(metadata))
     return path

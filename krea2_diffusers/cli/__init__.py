@@ -7,15 +7,24 @@ import importlib
 import logging
 import sys
 
-# Subcommand modules under krea2_diffusers.cli, in help order.
-COMMANDS = ("generate", "convert", "quantize", "expand", "train")
+# Subcommand -> the module that defines it (``add_parser(subparsers)`` and ``run(args)``), in help
+# order. Named by string and imported only here, so the library never imports the training or
+# curation packages (they import the library, not the other way round) and each module keeps its
+# heavy imports inside ``run``: ``krea2 --help`` stays fast.
+COMMANDS = {
+    "generate": "krea2_diffusers.cli.generate",
+    "convert": "krea2_diffusers.cli.convert",
+    "quantize": "krea2_diffusers.cli.quantize",
+    "expand": "krea2_diffusers.cli.expand",
+    "train": "finetune.cli",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="krea2", description="Krea 2 (RAW / Turbo) tools")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in COMMANDS:
-        module = importlib.import_module(f"krea2_diffusers.cli.{name}")
+    for module_name in COMMANDS.values():
+        module = importlib.import_module(module_name)
         command = module.add_parser(sub)
         command.set_defaults(_run=module.run)
     return parser

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from ..convert import (
     is_original_layout,
     strip_original_prefix,
 )
-from ..files import CheckpointError, read_safetensors, read_safetensors_header
+from ..files import CheckpointError, atomic_path, read_safetensors, read_safetensors_header
 from .qtypes import WRITABLE_TYPES, row_bytes
 from .quantizer import quantize
 from .reader import ORIG_SHAPE_PREFIX
@@ -106,35 +105,28 @@ def quantize_checkpoint(src, dst, qtype: str, *, overwrite: bool = False) -> dic
     plan = _plan(src, header)
     types = {name: storage_type(name, shape, header[s]["dtype"], target) for s, name, shape in plan}
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    os.close(fd)
-    writer = GGUFWriter(tmp, arch=ARCHITECTURE)
-    try:
-        writer.add_quantization_version(GGML_QUANT_VERSION)
-        for _, name, shape in plan:
-            gtype = types[name]
-            if gtype not in (Q.F32, Q.F16, Q.BF16):
-                writer.add_array(ORIG_SHAPE_PREFIX + name, list(shape))
-            # GGUFWriter takes numpy-dtype hints: float ones for F32/F16, uint8 bytes for the rest.
-            hint = {Q.F32: np.float32, Q.F16: np.float16}.get(gtype, np.uint8)
-            byte_shape = shape if hint is not np.uint8 else (*shape[:-1], row_bytes(gtype, shape[-1]))
-            writer.add_tensor_info(name, byte_shape, np.dtype(hint), _nbytes(gtype, shape), raw_dtype=None if hint is not np.uint8 else gtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for src_name, name, shape in plan:
-            values = read_safetensors(src, [src_name])[src_name].reshape(shape)
-            try:
-                encoded = _encode(values, types[name])
-            except ValueError as err:
-                raise CheckpointError(f"{src}: tensor {src_name!r}: {err}") from None
-            writer.write_tensor_data(encoded)
-        writer.close()
-        os.replace(tmp, dst)
-    except BaseException:
-        writer.close()
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_path(dst) as tmp:
+        writer = GGUFWriter(str(tmp), arch=ARCHITECTURE)
+        try:
+            writer.add_quantization_version(GGML_QUANT_VERSION)
+            for _, name, shape in plan:
+                gtype = types[name]
+                if gtype not in (Q.F32, Q.F16, Q.BF16):
+                    writer.add_array(ORIG_SHAPE_PREFIX + name, list(shape))
+                # GGUFWriter takes numpy-dtype hints: float ones for F32/F16, uint8 bytes for the rest.
+                hint = {Q.F32: np.float32, Q.F16: np.float16}.get(gtype, np.uint8)
+                byte_shape = shape if hint is not np.uint8 else (*shape[:-1], row_bytes(gtype, shape[-1]))
+                writer.add_tensor_info(name, byte_shape, np.dtype(hint), _nbytes(gtype, shape), raw_dtype=None if hint is not np.uint8 else gtype)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for src_name, name, shape in plan:
+                values = read_safetensors(src, [src_name])[src_name].reshape(shape)
+                try:
+                    encoded = _encode(values, types[name])
+                except ValueError as err:
+                    raise CheckpointError(f"{src}: tensor {src_name!r}: {err}") from None
+                writer.write_tensor_data(encoded)
+        finally:
+            writer.close()
     return dict(Counter(t.name for t in types.values()))

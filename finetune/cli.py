@@ -42,8 +42,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from finetune.config import load_config
-    from finetune.trainer import NonFiniteLossError, train
+    from .config import load_config
+    from .trainer import NonFiniteLossError, train
 
     overrides = list(args.overrides)
     if args.output_dir:
@@ -71,9 +71,9 @@ def main(argv=None) -> int:
     train_parser.prog = "python -m finetune"
     args = train_parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from finetune.config import ConfigError
-    from finetune.data import DatasetError
-    from finetune.trainer import RunDirectoryError
+    from .config import ConfigError
+    from .data import DatasetError
+    from .trainer import RunDirectoryError
 
     try:
         return run(args)
