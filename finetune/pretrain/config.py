@@ -101,6 +101,13 @@ class RepaConfig:
 
 
 @dataclass
+class StageLRConfig(LRSchedulerConfig):
+    """finetune's schedule section, warmup-stable-decay unless a stage names another."""
+
+    name: Literal["constant", "cosine", "wsd"] = "wsd"
+
+
+@dataclass
 class StageConfig:
     name: str = "stage"
     data: str = ""
@@ -117,7 +124,7 @@ class StageConfig:
     """bf16 autocast on CUDA (float32 on CPU); fp8: torchao float8 training (CUDA, sm >= 89)."""
     fp8_scaling: Literal["tensorwise", "rowwise"] = "tensorwise"
     repa: RepaConfig | None = None
-    lr_scheduler: LRSchedulerConfig = field(default_factory=lambda: LRSchedulerConfig(name="wsd", warmup_steps=0, decay_fraction=0.2))
+    lr_scheduler: StageLRConfig = field(default_factory=StageLRConfig)
     """Warmup-stable-decay by default: ``warmup_steps``, then flat, then linear decay over the last
     ``decay_fraction`` of the stage to ``min_lr_ratio``."""
     keep_optimizer_state: bool = True
