@@ -58,26 +58,56 @@ def _as_tuple(value):
     return tuple(value) if isinstance(value, (list, tuple)) else value
 
 
-def build_transformer(model: PretrainModelConfig, seed: int, device: torch.device | str = "cpu") -> Krea2Transformer2DModel:
-    """The float32 transformer: from scratch (seeded, same on every process) or from ``init`` weights."""
+def build_meta_transformer(model: PretrainModelConfig) -> Krea2Transformer2DModel:
+    """The float32 transformer on the meta device: shapes only, so sharding, fp8 conversion and
+    activation checkpointing happen before any rank holds a weight."""
     if model.init != "scratch":
-        path = Path(model.init)
-        if path.is_file() or path.name.endswith(".index.json"):
-            transformer = Krea2Transformer2DModel.from_single_file(str(path), torch_dtype=torch.float32)
-        elif path.is_dir():
-            sub = "transformer" if (path / "transformer").is_dir() else None
-            transformer = Krea2Transformer2DModel.from_pretrained(str(path), subfolder=sub, torch_dtype=torch.float32)
-        else:
-            raise ConfigError(f"model.init {model.init!r} is neither 'scratch' nor a transformer file/folder")
-        expected = transformer_config(model)
-        differs = {k: (transformer.config[k], v) for k, v in expected.items() if _as_tuple(transformer.config[k]) != _as_tuple(v)}
-        if differs:
-            raise ConfigError(f"model.init {model.init}: its shapes differ from model.architecture (file vs config): {differs}")
-        return transformer.to(device)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        transformer = Krea2Transformer2DModel(**transformer_config(model))
-    init_from_scratch_(transformer)
+        _check_init_shapes(model)
+    with torch.device("meta"):
+        return Krea2Transformer2DModel(**transformer_config(model)).float()
+
+
+def _check_init_shapes(model: PretrainModelConfig) -> None:
+    if not Path(model.init).exists():
+        raise ConfigError(f"model.init {model.init!r} is neither 'scratch' nor an existing transformer file/folder")
+    found, source = init_weights(model.init)
+    source.close()
+    expected = transformer_config(model)
+    differs = {k: (found[k], v) for k, v in expected.items() if k in found and _as_tuple(found[k]) != _as_tuple(v)}
+    if differs:
+        raise ConfigError(f"model.init {model.init}: its shapes differ from model.architecture (file vs config): {differs}")
+
+
+def init_weights(path: str):
+    """(transformer config, weight source) of ``path``, without reading weights: the engine's
+    source, from which each rank reads only its own rows."""
+    from ..config import ModelConfig
+    from ..model import transformer_weights
+
+    return transformer_weights(ModelConfig(pretrained_model_name_or_path=path))
+
+
+def materialize_(transformer: nn.Module, model: PretrainModelConfig, seed: int, device: torch.device | str) -> None:
+    """Allocate the (possibly sharded) meta model on ``device`` and fill it: the scratch init under
+    ``seed`` (identical on every process), or each rank's rows of the ``init`` weights."""
+    transformer.to_empty(device=device)
+    if model.init == "scratch":
+        torch.manual_seed(seed)
+        init_from_scratch_(transformer)
+        return
+    from ..engine.weights import load_local_shards_
+
+    _, source = init_weights(model.init)
+    try:
+        load_local_shards_(transformer, source, where=model.init)
+    finally:
+        source.close()
+
+
+def build_transformer(model: PretrainModelConfig, seed: int, device: torch.device | str = "cpu") -> Krea2Transformer2DModel:
+    """An unsharded, materialised transformer (tests, benches, single-process tools)."""
+    transformer = build_meta_transformer(model)
+    materialize_(transformer, model, seed, device)
     return transformer
 
 

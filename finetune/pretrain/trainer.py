@@ -19,14 +19,15 @@ from pathlib import Path
 import torch
 
 from ..engine.checkpoint import Checkpointer, clean_staging, latest_checkpoint, list_checkpoints, read_train_state
-from ..engine.parallel import apply_activation_checkpointing, fully_shard_blocks
+from ..config import ConfigError
+from ..engine.parallel import fully_shard_blocks, prepare_blocks
 from ..metrics import MetricsLogger
 from ..objective import add_noise, flow_matching_loss
 from ..optim import lr_multiplier
 from ..rundir import RunDirectoryError
 from ..trainer import NonFiniteLossError, _StopRequest
 from . import repa as repa_mod
-from .architecture import build_transformer, check_fp8_available, convert_to_fp8_
+from .architecture import build_meta_transformer, check_fp8_available, convert_to_fp8_, materialize_
 from .batches import StageBatches, StepData, open_stage_pack
 from .config import PretrainConfig
 from .optimizers import make_optimizers, set_learning_rate
@@ -119,34 +120,35 @@ class Pretrainer:
 
     # ------------------------------------------------------------------ one stage's model
     def setup_stage(self, index: int) -> None:
+        """meta build -> (REPA projector) -> fp8 -> activation checkpointing -> compile -> FSDP2 per
+        block then root -> ``to_empty`` + init or own rows of the weights -> restore the checkpoint."""
         config, runtime = self.config, self.runtime
         stage = config.stages[index]
-        device = runtime.device
-        transformer = build_transformer(config.model, config.training.seed, device)
+        transformer = build_meta_transformer(config.model)
         self.vision = None
         if stage.repa is not None:
-            self.vision = repa_mod.VisionTarget(stage.repa.encoder, device)
-            dim = transformer.config.attention_head_dim * transformer.config.num_attention_heads
-            torch.manual_seed(config.training.seed + 1)
-            transformer.add_module(repa_mod.PROJECTOR_NAME, repa_mod.make_projector(dim, self.vision.dim).to(device))
             if stage.repa.block >= len(transformer.transformer_blocks):
-                raise ValueError(f"stage {stage.name!r}: repa.block {stage.repa.block} but the model has "
-                                 f"{len(transformer.transformer_blocks)} blocks")
+                raise ConfigError(f"stage {stage.name!r}: repa.block {stage.repa.block} but the model has "
+                                  f"{len(transformer.transformer_blocks)} blocks")
+            self.vision = repa_mod.VisionTarget(stage.repa.encoder, runtime.device, runtime.encoder_dtype)
+            dim = transformer.config.attention_head_dim * transformer.config.num_attention_heads
+            with torch.device("meta"):
+                transformer.add_module(repa_mod.PROJECTOR_NAME, repa_mod.make_projector(dim, self.vision.dim))
         if stage.precision == "fp8":
             convert_to_fp8_(transformer, stage.fp8_scaling)
         blocks = list(transformer.transformer_blocks)
-        apply_activation_checkpointing(blocks, stage.activation_checkpointing)
-        if config.training.compile:
-            for block in blocks:
-                block.compile()
-        transformer.train()
+        prepare_blocks(blocks, stage.activation_checkpointing, config.training.compile)
         if runtime.world_size > 1:
             if stage.repa is not None:  # called outside the root's forward: its own FSDP unit
                 from torch.distributed.fsdp import fully_shard
 
                 fully_shard(getattr(transformer, repa_mod.PROJECTOR_NAME), mp_policy=runtime.mp_policy())
             fully_shard_blocks(transformer, blocks, runtime.mixed_precision)
-        self.model = transformer
+        materialize_(transformer, config.model, config.training.seed, runtime.device)
+        if stage.repa is not None:
+            torch.manual_seed(config.training.seed + 1)
+            getattr(transformer, repa_mod.PROJECTOR_NAME).reset_parameters()
+        self.model = transformer.train()
         self.blocks = blocks
         self.optimizers, split = make_optimizers(transformer, config.optimizer)
         if runtime.is_main:
