@@ -22,9 +22,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true", help="continue the run in the output folder from its last checkpoint")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="config overrides, e.g. training.max_steps=500 optimizer.learning_rate=3e-4")
-    # Let options sit between the config and the overrides (`train cfg.yaml --resume k=v`):
-    # plain argparse stops collecting positionals at the first option. The intermixed parser
-    # calls parse_known_args itself, so the re-entrant call gets the original method.
+    return allow_intermixed(parser)
+
+
+def allow_intermixed(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Let options sit between the config and the overrides (`train cfg.yaml --resume k=v`):
+    plain argparse stops collecting positionals at the first option. The intermixed parser calls
+    parse_known_args itself, so the re-entrant call gets the original method."""
     original = parser.parse_known_args
     busy = []
 

@@ -15,9 +15,10 @@ class RunDirectoryError(ValueError):
     """The output directory holds a different run."""
 
 
-def config_fingerprint(config: TrainConfig) -> dict:
-    raw = config.to_dict()
-    for dotted in _RESUMABLE_CHANGES:
+def config_fingerprint(config: TrainConfig, resumable=_RESUMABLE_CHANGES) -> dict:
+    """The config without the ``resumable`` settings (dotted names), JSON-normalised."""
+    raw = json.loads(json.dumps(config.to_dict()))
+    for dotted in resumable:
         node = raw
         *parents, leaf = dotted.split(".")
         for part in parents:
@@ -26,9 +27,10 @@ def config_fingerprint(config: TrainConfig) -> dict:
     return raw
 
 
-def _diff(a, b, prefix="") -> list[str]:
+def config_changes(a, b, prefix="") -> list[str]:
+    """``"key: old -> new"`` for every leaf that differs between two fingerprints."""
     if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in sorted(set(a) | set(b)) for d in _diff(a.get(k), b.get(k), f"{prefix}{k}.")]
+        return [d for k in sorted(set(a) | set(b)) for d in config_changes(a.get(k), b.get(k), f"{prefix}{k}.")]
     return [] if a == b else [f"{prefix[:-1]}: {a!r} -> {b!r}"]
 
 
@@ -43,7 +45,7 @@ def check_output_dir(out: Path, config: TrainConfig, resume: bool) -> None:
         return
     if run_file.exists():
         previous = json.loads(run_file.read_text())["fingerprint"]
-        changes = _diff(previous, config_fingerprint(config))
+        changes = config_changes(previous, config_fingerprint(config))
         if changes:
             raise RunDirectoryError(
                 f"--resume: the config differs from the run in {out} in settings that change training: "

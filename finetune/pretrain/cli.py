@@ -11,6 +11,8 @@ import logging
 import sys
 from pathlib import Path
 
+from ..cli import allow_intermixed
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
@@ -26,20 +28,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--replay", type=int, metavar="STEP",
                         help='print {"stage", "step", "sample_ids"} of global step STEP as JSON (last line) and exit')
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. stages.0.steps=100")
-    original = parser.parse_known_args
-    busy = []
-
-    def parse_known_args(args=None, namespace=None):  # options between positionals (see finetune.cli)
-        if busy:
-            return original(args, namespace)
-        busy.append(True)
-        try:
-            return parser.parse_known_intermixed_args(args, namespace)
-        finally:
-            busy.pop()
-
-    parser.parse_known_args = parse_known_args
-    return parser
+    return allow_intermixed(parser)
 
 
 def _world_size() -> int:

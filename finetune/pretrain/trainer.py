@@ -24,7 +24,7 @@ from ..engine.parallel import fully_shard_blocks, prepare_blocks
 from ..metrics import MetricsLogger
 from ..objective import add_noise, flow_matching_loss
 from ..optim import lr_multiplier
-from ..rundir import RunDirectoryError
+from ..rundir import RunDirectoryError, config_changes, config_fingerprint
 from ..trainer import NonFiniteLossError, _StopRequest
 from . import repa as repa_mod
 from .architecture import build_meta_transformer, check_fp8_available, convert_to_fp8_, materialize_
@@ -50,20 +50,7 @@ class PretrainResult:
 
 
 def fingerprint(config: PretrainConfig) -> dict:
-    raw = config.to_dict()
-    for dotted in RESUMABLE:
-        *parents, leaf = dotted.split(".")
-        node = raw
-        for part in parents:
-            node = node[part]
-        node.pop(leaf, None)
-    return raw
-
-
-def _diff(a, b, prefix="") -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in sorted(set(a) | set(b)) for d in _diff(a.get(k), b.get(k), f"{prefix}{k}.")]
-    return [] if a == b else [f"{prefix[:-1]}: {a!r} -> {b!r}"]
+    return config_fingerprint(config, RESUMABLE)
 
 
 def run_world_size(out: Path, default: int) -> int:
@@ -88,7 +75,7 @@ class Pretrainer:
                 raise RunDirectoryError(f"{self.out} already holds a run; pass --resume to continue it, or choose another --output-dir")
             return
         if run_file.exists():
-            changes = _diff(json.loads(run_file.read_text())["fingerprint"], json.loads(json.dumps(fingerprint(self.config))))
+            changes = config_changes(json.loads(run_file.read_text())["fingerprint"], fingerprint(self.config))
             if changes:
                 raise RunDirectoryError(f"--resume: the config differs from the run in {self.out}: " + "; ".join(changes[:5]))
 
@@ -151,8 +138,7 @@ class Pretrainer:
         self.model = transformer.train()
         self.blocks = blocks
         self.optimizers, split = make_optimizers(transformer, config.optimizer)
-        if runtime.is_main:
-            logger.info("stage %s: %s", stage.name, split.describe())
+        if runtime.is_main:  # printed, not logged: the split must be visible whatever the log level
             print(f"[krea2 pretrain] stage {stage.name}: {split.describe()}", flush=True)
         self.params = [p for p in transformer.parameters() if p.requires_grad]
         self._restore(index)
@@ -166,7 +152,7 @@ class Pretrainer:
         same_stage = state.get("stage") == stage.name
         if same_stage or stage.keep_optimizer_state:
             self.checkpointer.load(latest, self.model, self.optimizers, trainable_only=False,
-                                   expected={"fingerprint": json.loads(json.dumps(fingerprint(self.config)))})
+                                   expected={"fingerprint": fingerprint(self.config)})
         else:
             model_only_load(latest, self.model)
 
