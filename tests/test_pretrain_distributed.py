@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -26,8 +28,8 @@ stages:
 """
 
 
-def _losses(out):
-    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+def _rows(out):
+    return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
 
 def test_two_process_run_resumes_on_one_process_with_the_same_losses(tmp_path):
@@ -35,6 +37,14 @@ def test_two_process_run_resumes_on_one_process_with_the_same_losses(tmp_path):
 
     manifest = make_synthetic_set(tmp_path / "data", count=16)
     assert krea2(["pack", str(manifest), str(tmp_path / "pack"), "--resolution", "64", "--batch-size", "2"]) == 0
+    # Broken rows: one in step 2 (rows 4-7), and all of process 1's rows in step 3 (rows 10, 11).
+    shard = next((tmp_path / "pack").glob("*.parquet"))
+    table = pq.read_table(shard)
+    images = table.column("image_bytes").to_pylist()
+    for row in (5, 10, 11):
+        images[row] = b"not a png"
+    table = table.set_column(table.schema.get_field_index("image_bytes"), "image_bytes", pa.array(images, pa.binary()))
+    pq.write_table(table.replace_schema_metadata(table.schema.metadata), shard)
     (tmp_path / "c.yaml").write_text(CONFIG)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29573",
@@ -53,7 +63,10 @@ def test_two_process_run_resumes_on_one_process_with_the_same_losses(tmp_path):
         assert krea2(["pretrain", str(tmp_path / "c.yaml"), "--output-dir", str(one), "--resume"]) == 0
     finally:
         torch.set_num_threads(threads)
-    expected, got = _losses(two), _losses(one)
+    expected, got = _rows(two), _rows(one)
     assert sorted(got) == [1, 2, 3, 4]
+    assert [expected[s]["decode_failures"] for s in (1, 2, 3, 4)] == [0, 1, 2, 0]
+    assert got[3]["decode_failures"] == 2 and all("repa_loss" in r for r in expected.values())
     for step in (3, 4):  # trained by 1 process on the 2-process run's global batch of 4 rows
-        assert got[step] == pytest.approx(expected[step], rel=1e-5), step
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step
+        assert got[step]["repa_loss"] == pytest.approx(expected[step]["repa_loss"], rel=1e-5), step

@@ -106,8 +106,11 @@ def test_a_row_that_fails_to_decode_is_skipped_and_counted(tmp_path):
     batches = [StageBatches(config.stages[0], PackReader(tmp_path / "pack"), 1)]
     item = StepData(config, batches, rank=0, world_size=1)[1]
     ids = PackReader(tmp_path / "pack").sample_ids(0, 4)
-    assert item["failures"] == 1 and item["micro"][0]["sample_ids"] == ids[:1] + ids[2:]
-    assert item["micro"][0]["pixels"].shape == (3, 3, 64, 64)
+    micro = item["micro"][0]
+    assert item["failures"] == 1 and micro["sample_ids"] == ids[:1] + ids[2:]
+    # The broken row runs as a black stand-in with zero loss weight: the batch keeps its shape.
+    assert micro["valid"].tolist() == [True, False, True, True] and micro["pixels"].shape == (4, 3, 64, 64)
+    assert not micro["pixels"][1].any() and micro["pixels"][0].any()
 
 
 def test_process_count_changes_micro_batches_not_rows():

@@ -127,29 +127,29 @@ class StepData(torch.utils.data.Dataset):
         micro, failures = [], 0
         base = batches.global_rows(k).start
         for rows in batches.local_micro_batches(k, self.rank, self.world_size):
-            pixels, ids, captions, features, noise, t = [], [], [], [], [], []
+            pixels, valid, ids, captions, features, noise, t = [], [], [], [], [], [], []
             for position, row in zip(rows, batches.reader.rows(rows.start, rows.stop)):
                 generator = sample_generator(self.config.training.seed, step, position - base)
                 column, caption = choose_caption(row, self.config.captions, generator)
                 tokens = (row["height"] // PIXELS_PER_TOKEN) * (row["width"] // PIXELS_PER_TOKEN)
-                sample_noise = torch.randn((tokens, TOKEN_FEATURES), generator=generator)
-                sample_t = sample_timesteps(1, tokens, objective, generator)
+                noise.append(torch.randn((tokens, TOKEN_FEATURES), generator=generator))
+                t.append(sample_timesteps(1, tokens, objective, generator))
                 try:
-                    image = decode_image(row)
+                    pixels.append(decode_image(row))
+                    valid.append(True)
+                    ids.append(row["sample_id"])
                 except Exception as err:  # a broken row costs its sample, never the run
                     logger.warning("step %d: skipping pack row %d (%s) of %s: %s", step, position, row["sample_id"], stage.data, err)
                     failures += 1
-                    continue
-                pixels.append(image)
-                ids.append(row["sample_id"])
+                    # A black stand-in with zero loss weight keeps the batch shape (and, with several
+                    # processes, every collective) the same as without the failure.
+                    pixels.append(torch.zeros(3, row["height"], row["width"]))
+                    valid.append(False)
                 captions.append(caption)
-                noise.append(sample_noise)
-                t.append(sample_t)
                 if FEATURE_COLUMNS[CAPTION_COLUMNS[0]] in row:
                     features.append(self._features(row, column, batches))
-            if pixels:
-                micro.append({"pixels": torch.stack(pixels), "captions": captions, "sample_ids": ids,
-                              "noise": torch.stack(noise), "t": torch.cat(t), "text_features": features or None})
+            micro.append({"pixels": torch.stack(pixels), "valid": torch.tensor(valid), "captions": captions,
+                          "sample_ids": ids, "noise": torch.stack(noise), "t": torch.cat(t), "text_features": features or None})
         return {"step": step, "stage": index, "k": k, "micro": micro, "failures": failures,
                 "repa": batches.repa_on(k)}
 

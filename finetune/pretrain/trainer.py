@@ -173,19 +173,14 @@ class Pretrainer:
         runtime, config = self.runtime, self.config
         stage = config.stages[item["stage"]]
         repa_on = item["repa"] and self.vision is not None
-        local_ok = sum(len(m["sample_ids"]) for m in item["micro"])
+        local_ok = sum(int(m["valid"].sum()) for m in item["micro"])
         global_ok = runtime.sum(float(local_ok))
         failures = runtime.sum(float(item["failures"]))
         total_loss = total_repa = 0.0
         scale = runtime.world_size / max(global_ok, 1.0)  # FSDP averages gradients over processes
-        micro_batches = item["micro"] or [None]
-        for number, micro in enumerate(micro_batches):
-            sync = number == len(micro_batches) - 1
+        for number, micro in enumerate(item["micro"]):
             if runtime.world_size > 1:
-                self.model.set_requires_gradient_sync(sync)
-            if micro is None:  # every row of this process failed to decode: keep the collectives in step
-                (sum(p.sum() for p in self.params) * 0.0).backward()
-                continue
+                self.model.set_requires_gradient_sync(number == len(item["micro"]) - 1)
             pixels = micro["pixels"].to(runtime.device)
             with torch.no_grad():
                 latents = encode_images(self.vae, pixels).float()  # one VAE call per one-bucket batch
@@ -199,12 +194,17 @@ class Pretrainer:
             with runtime.autocast(), capture as box:
                 pred = self.model(hidden_states=noisy, encoder_hidden_states=embeds, timestep=t, position_ids=positions,
                                   encoder_attention_mask=mask, return_dict=False)[0]
-            count = x0.shape[0]
-            loss = flow_matching_loss(pred, x0, noise, t, config.objective.loss_weighting) * count
+            valid = micro["valid"].to(runtime.device)
+            count = int(valid.sum())
+            # Rows that failed to decode ran as stand-ins; only the others count. `pred.sum() * 0`
+            # keeps the graph (and FSDP's gradient hooks) whole when none is left.
+            loss = (flow_matching_loss(pred[valid], x0[valid], noise[valid], t[valid], config.objective.loss_weighting) * count
+                    if count else pred.sum() * 0.0)
             objective = loss
             if repa_on:
-                target = self.vision.features(pixels, (gh, gw))
-                tokens = box[0][:, embeds.shape[1]:embeds.shape[1] + x0.shape[1]]
+                rows = valid if count else torch.ones_like(valid)  # (the projector runs on every process)
+                target = self.vision.features(pixels[rows], (gh, gw))
+                tokens = box[0][rows, embeds.shape[1]:embeds.shape[1] + x0.shape[1]]
                 projector = getattr(self.model, repa_mod.PROJECTOR_NAME)
                 repa_loss = repa_mod.alignment_loss(tokens, (gh, gw), projector, target) * count
                 objective = loss + stage.repa.weight * repa_loss
