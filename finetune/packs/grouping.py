@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..buckets import Bucket, nearest_bucket
+from ..data.buckets import Bucket, nearest_bucket
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from PIL import Image
 
 from krea2_diffusers.files import atomic_write_dir
 
-from ..buckets import fits, make_buckets, nearest_bucket, resize_to_bucket
+from ..data.buckets import fits, make_buckets, nearest_bucket, resize_to_bucket
 from .grouping import Group, group_rows
 from .schema import SHARD_NAME, SUMMARY_FILE, PackInfo, arrow_schema
 
