@@ -73,6 +73,26 @@ def test_scratch_init_starts_every_block_as_the_identity_and_predicts_zero():
     torch.testing.assert_close(model.state_dict(), again.state_dict(), rtol=0, atol=0)  # same on every process
 
 
+def test_init_from_weights_reads_a_diffusers_named_file_and_refuses_other_shapes(tmp_path):
+    from finetune.config import ConfigError
+    from krea2_diffusers.files import save_safetensors
+
+    source = build_transformer(PretrainModelConfig(architecture="tiny"), seed=5)
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(torch.randn(p.shape) * 0.01)  # nothing left at its init value
+    save_safetensors(source.state_dict(), tmp_path / "pma.safetensors")
+    loaded = build_transformer(PretrainModelConfig(architecture="tiny", init=str(tmp_path / "pma.safetensors")), seed=0)
+    torch.testing.assert_close(loaded.state_dict(), source.state_dict(), rtol=0, atol=0)
+    other = {"num_layers": 3, "attention_head_dim": 16, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 128, "timestep_embed_dim": 32, "text_hidden_dim": 32, "text_num_attention_heads": 2,
+             "text_num_key_value_heads": 2, "text_intermediate_size": 64, "axes_dims_rope": [4, 6, 6]}
+    config = build_pretrain_config({"model": {"architecture": other, "init": str(tmp_path / "pma.safetensors")},
+                                    "stages": [{"name": "a", "data": "p"}]})
+    with pytest.raises(ConfigError, match="missing.*transformer_blocks.2"):
+        build_transformer(config.model, seed=0)
+
+
 def test_stage_shift_is_the_exponential_shift_of_logit_normal_times():
     config = build_pretrain_config({"stages": [{"name": "a", "data": "p", "shift": 3.0}, {"name": "b", "data": "q"}]})
     objective = config.timestep_objective(config.stages[0])

@@ -10,16 +10,20 @@ import torch
 from torch import nn
 
 from krea2_diffusers import Krea2Transformer2DModel
+from krea2_diffusers.files import CheckpointError
 from krea2_diffusers.layers import RMSNorm
 from krea2_diffusers.tiny import tiny_transformer_config
 
 from ..config import ConfigError
 from .config import ArchitectureConfig, PretrainModelConfig, StageConfig
+from .repa import PROJECTOR_NAME
 
 # Layers whose weights start at zero in a from-scratch model: the output projection (the first
 # prediction is 0) and the shared modulation projection (every residual gate starts at 0, so each
 # block starts as the identity), as the released model's zero-centred tables imply.
 ZERO_INIT_MODULES = ("final_layer.linear", "time_mod_proj")
+# Trained alongside the transformer but not part of its weights (see finetune.pretrain.repa).
+AUXILIARY_MODULES = (PROJECTOR_NAME,)
 # Linear layers kept in high precision under fp8 (first/last layers, as in the report's recipe).
 FP8_EXCLUDED = ("img_in", "final_layer.linear", "time_embed", "time_mod_proj", "text_fusion.projector")
 # torchao's float8 matmuls need both dimensions divisible by 16.
@@ -54,42 +58,43 @@ def init_from_scratch_(transformer: nn.Module) -> None:
                 param.zero_()
 
 
-def _as_tuple(value):
-    return tuple(value) if isinstance(value, (list, tuple)) else value
-
-
 def build_meta_transformer(model: PretrainModelConfig) -> Krea2Transformer2DModel:
     """The float32 transformer on the meta device: shapes only, so sharding, fp8 conversion and
-    activation checkpointing happen before any rank holds a weight."""
-    if model.init != "scratch":
-        _check_init_shapes(model)
+    activation checkpointing happen before any rank holds a weight. ``init`` weights that do not
+    fit the architecture are refused here, naming what differs."""
     with torch.device("meta"):
-        return Krea2Transformer2DModel(**transformer_config(model)).float()
+        transformer = Krea2Transformer2DModel(**transformer_config(model)).float()
+    if model.init != "scratch":
+        from ..engine.weights import check_names
+
+        source = init_weights(model)
+        try:
+            check_names(transformer, source, f"model.init {model.init}")
+        except CheckpointError as err:
+            raise ConfigError(str(err)) from None
+        finally:
+            source.close()
+    return transformer
 
 
-def _check_init_shapes(model: PretrainModelConfig) -> None:
+def init_weights(model: PretrainModelConfig):
+    """The engine's weight source for ``model.init`` (original-layout file, diffusers folder or a
+    diffusers-named file such as a PMA file), read as the configured architecture: each rank reads
+    only its own rows."""
+    from krea2_diffusers.loading import locate_transformer_tensors
+
+    from ..engine.weights import FileWeights
+
     if not Path(model.init).exists():
         raise ConfigError(f"model.init {model.init!r} is neither 'scratch' nor an existing transformer file/folder")
-    found, source = init_weights(model.init)
-    source.close()
-    expected = transformer_config(model)
-    differs = {k: (found[k], v) for k, v in expected.items() if k in found and _as_tuple(found[k]) != _as_tuple(v)}
-    if differs:
-        raise ConfigError(f"model.init {model.init}: its shapes differ from model.architecture (file vs config): {differs}")
-
-
-def init_weights(path: str):
-    """(transformer config, weight source) of ``path``, without reading weights: the engine's
-    source, from which each rank reads only its own rows."""
-    from ..config import ModelConfig
-    from ..model import transformer_weights
-
-    return transformer_weights(ModelConfig(pretrained_model_name_or_path=path))
+    _, locations = locate_transformer_tensors(model.init, config=transformer_config(model))
+    return FileWeights(locations)
 
 
 def materialize_(transformer: nn.Module, model: PretrainModelConfig, seed: int, device: torch.device | str) -> None:
     """Allocate the (possibly sharded) meta model on ``device`` and fill it: the scratch init under
-    ``seed`` (identical on every process), or each rank's rows of the ``init`` weights."""
+    ``seed`` (identical on every process), or each rank's rows of the ``init`` weights. Auxiliary
+    modules (the REPA projector) are left to their owner."""
     transformer.to_empty(device=device)
     if model.init == "scratch":
         torch.manual_seed(seed)
@@ -97,11 +102,13 @@ def materialize_(transformer: nn.Module, model: PretrainModelConfig, seed: int, 
         return
     from ..engine.weights import load_local_shards_
 
-    _, source = init_weights(model.init)
+    auxiliary = {name: transformer._modules.pop(name) for name in AUXILIARY_MODULES if name in transformer._modules}
+    source = init_weights(model)
     try:
         load_local_shards_(transformer, source, where=model.init)
     finally:
         source.close()
+        transformer._modules.update(auxiliary)
 
 
 def build_transformer(model: PretrainModelConfig, seed: int, device: torch.device | str = "cpu") -> Krea2Transformer2DModel:

@@ -11,7 +11,6 @@ batch ``k`` of the stage is rows ``[k*G, (k+1)*G)`` of its pack, wrapping at the
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ConfigError
+from ..engine.loader import step_generator
 from ..packs import CAPTION_COLUMNS, PackError, PackReader, decode_image
 from ..packs.text_features import EMPTY_PROMPT_KEY, FEATURE_COLUMNS, features_from_bytes
 from .config import CaptionConfig, PretrainConfig, StageConfig
@@ -30,10 +30,14 @@ PIXELS_PER_TOKEN = 16
 TOKEN_FEATURES = LATENT_CHANNELS * 4
 
 
+# Row positions inside one global batch stay below this, so (step, position) -> one index.
+MAX_ROWS_PER_STEP = 1 << 32
+
+
 def sample_generator(seed: int, step: int, position: int) -> torch.Generator:
-    """The generator of one sample of one global step (noise, timestep, caption choice, dropout)."""
-    digest = hashlib.sha256(f"{seed}:{step}:{position}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+    """The generator of one sample of one global step (noise, timestep, caption choice, dropout):
+    the engine's per-index generator, indexed by (step, row position in the global batch)."""
+    return step_generator(seed, step * MAX_ROWS_PER_STEP + position)
 
 
 def open_stage_pack(stage: StageConfig) -> PackReader:

@@ -18,11 +18,13 @@ import torch
 
 from krea2_diffusers.files import save_safetensors
 
+from .architecture import AUXILIARY_MODULES
+
 logger = logging.getLogger("finetune")
 
 MODEL_KEY = "model"
 # Names under the DCP "model" entry that are not transformer weights (the REPA projector).
-AUXILIARY_PREFIXES = ("repa_projector.",)
+AUXILIARY_PREFIXES = tuple(f"{name}." for name in AUXILIARY_MODULES)
 # Elements read per DCP load call while averaging.
 CHUNK_ELEMENTS = 1 << 28
 
