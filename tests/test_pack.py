@@ -27,10 +27,10 @@ def _folder(root, count=27):
     return root
 
 
-def _pack(tmp_path, name, seed, rows_per_shard=8):
+def _pack(tmp_path, name, seed, rows_per_shard=8, workers=1):
     out = tmp_path / name
     assert krea2(["pack", str(tmp_path / "images"), str(out), "--resolution", "64", "--batch-size", "4",
-                  "--seed", str(seed), "--rows-per-shard", str(rows_per_shard)]) == 0
+                  "--seed", str(seed), "--rows-per-shard", str(rows_per_shard), "--workers", str(workers)]) == 0
     return out
 
 
@@ -68,9 +68,9 @@ def test_pack_holds_every_valid_row_once_in_one_bucket_groups_shuffled_by_seed(t
     wide = [r for r in rows if r["sample_id"] in {f"img_{i:03d}.png" for i in range(1, 27, 6)}]
     assert any(r["width"] > r["height"] for r in wide)
 
-    again = _pack(tmp_path, "b", seed=1, rows_per_shard=100)
+    again = _pack(tmp_path, "b", seed=1, rows_per_shard=100, workers=2)
     other = _pack(tmp_path, "c", seed=2)
-    assert PackReader(again).rows(0, 27) == rows  # reproducible, whatever the shard size
+    assert PackReader(again).rows(0, 27) == rows  # reproducible, whatever the shard size and worker count
     assert PackReader(other).sample_ids(0, 27) != ids  # the seed shuffles
     assert ids != sorted(ids)
     assert krea2(["pack", str(tmp_path / "images"), str(out), "--resolution", "64", "--batch-size", "4"]) == 2

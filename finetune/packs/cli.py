@@ -22,6 +22,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--text-encoder", default=None,
                         help="precompute caption features with this text encoder (hub id, folder, single file or "
                              "tiny-random) into the pack, so training needs no text encoder")
+    parser.add_argument("--workers", type=int, default=1, help="processes decoding and resizing images (default 1)")
     parser.add_argument("--max-sequence-length", type=int, default=512, help="caption tokens kept with --text-encoder")
     return parser
 
@@ -38,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     stats = write_pack(
         source_records(args.source), args.out_dir, resolution=args.resolution, batch_size=args.batch_size,
         seed=args.seed, rows_per_shard=args.rows_per_shard or DEFAULT_ROWS_PER_SHARD, extra_columns=extra_columns,
+        workers=args.workers,
     )
     print(json.dumps(stats.summary()))
     return 0

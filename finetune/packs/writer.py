@@ -3,15 +3,19 @@
 Two passes over the records: the first decodes every image fully (a truncated file must be
 caught before it is placed in a group) and keeps only its size; the second re-reads the kept
 images in pack order, resizes and crops them to their group's bucket and writes PNG bytes.
-Records given as bytes are held in memory between the passes; records given as paths are not.
+Records are listed first (ids checked); those given as bytes stay in memory until the pack is
+written, those given as paths are read from disk in each pass. ``workers`` processes decode in
+parallel; the result does not depend on their number.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -33,6 +37,8 @@ ROWS_PER_ROW_GROUP = 64
 # PNG compression: lossless at any level; level 1 is several times faster to write than the
 # default 6 for about 10% larger files.
 PNG_COMPRESS_LEVEL = 1
+# Records handed to a worker process at a time.
+MAP_CHUNK = 16
 
 
 class PackError(ValueError):
@@ -74,14 +80,18 @@ def _open(image: str | Path | bytes) -> Image.Image:
     return Image.open(io.BytesIO(image) if isinstance(image, bytes) else image)
 
 
-def _probe(record: PackRecord) -> tuple[int, int]:
-    """Decode fully (``verify`` passes truncated files) and return the size."""
-    with _open(record.image) as image:
-        image.load()
-        return image.size
+def _probe(record: PackRecord) -> tuple[int, int] | str:
+    """The size, after decoding fully (``verify`` passes truncated files); or the error's text."""
+    try:
+        with _open(record.image) as image:
+            image.load()
+            return image.size
+    except Exception as err:  # PIL raises many types for bad files; any of them means "skip"
+        return f"{type(err).__name__}: {err}"
 
 
-def _png(record: PackRecord, bucket: tuple[int, int]) -> bytes:
+def _png(job: tuple[PackRecord, tuple[int, int]]) -> bytes:
+    record, bucket = job
     with _open(record.image) as image:
         resized = resize_to_bucket(image.convert("RGB"), bucket)
     buffer = io.BytesIO()
@@ -108,6 +118,7 @@ def write_pack(
     min_aspect_ratio: float = 0.5,
     max_aspect_ratio: float = 2.0,
     extra_columns=None,
+    workers: int = 1,
 ) -> PackStats:
     """Write ``records`` as a ``krea2-pack-v1`` pack into ``out_dir`` (which must not hold files).
 
@@ -119,6 +130,7 @@ def write_pack(
         extra_columns: optional ``callable(records, rows) -> {column: pyarrow array}`` adding
             columns to each shard (e.g. precomputed text features); its optional
             ``key_value_metadata()`` adds entries to every shard's metadata.
+        workers: processes decoding and resizing images (the order and bytes do not depend on it).
     Returns:
         what was written, with the skipped inputs counted by reason.
     Raises:
@@ -135,8 +147,7 @@ def write_pack(
         raise PackError(f"{out_dir} already holds files; a pack is written into a new or empty folder")
     buckets = make_buckets(resolution, 16, min_aspect_ratio, max_aspect_ratio)
     skipped: Counter[str] = Counter()
-    kept: list[PackRecord] = []
-    sizes: list[tuple[int, int]] = []
+    records = list(records)
     seen: dict[str, int] = {}
     for number, record in enumerate(records):
         if record.source is None:
@@ -145,19 +156,26 @@ def write_pack(
         if record.sample_id in seen:
             raise PackError(f"duplicate sample_id {record.sample_id!r} (records {seen[record.sample_id]} and {number})")
         seen[record.sample_id] = number
-        try:
-            size = _probe(record)
-        except Exception as err:  # PIL raises many types for bad files; any of them means "skip"
-            logger.warning("skipping broken image %s: %s", record.source, err)
+    stack = contextlib.ExitStack()
+    pool = stack.enter_context(ProcessPoolExecutor(workers)) if workers > 1 else None
+
+    def parallel_map(function, items):  # in order, `workers` processes decoding at once
+        return pool.map(function, items, chunksize=MAP_CHUNK) if pool else map(function, items)
+
+    kept: list[PackRecord] = []
+    sizes: list[tuple[int, int]] = []
+    for record, size in zip(records, parallel_map(_probe, records)):
+        if isinstance(size, str):
+            logger.warning("skipping broken image %s: %s", record.source, size)
             skipped["broken image"] += 1
-            continue
-        if not fits(*size, nearest_bucket(*size, buckets)):
+        elif not fits(*size, nearest_bucket(*size, buckets)):
             # Upscaled pixels teach the model blur; curation drops such images, so does packing.
             skipped["smaller than its bucket"] += 1
-            continue
-        kept.append(record)
-        sizes.append(size)
+        else:
+            kept.append(record)
+            sizes.append(size)
     if not kept:
+        stack.close()
         raise PackError(f"no usable images ({dict(skipped) or 'the source is empty'})")
 
     groups = group_rows(sizes, buckets, batch_size, seed)
@@ -168,16 +186,16 @@ def write_pack(
     bucket_rows: Counter[str] = Counter()
     if out_dir.exists():
         out_dir.rmdir()  # empty (checked above): the pack appears in one rename, never half-written
-    with atomic_write_dir(out_dir) as tmp:
+    with stack, atomic_write_dir(out_dir) as tmp:
         first_row = 0
         for shard_index, start in enumerate(range(0, len(groups), per_shard)):
             shard_groups = groups[start:start + per_shard]
-            rows, shard_records = [], []
+            placed = [(kept[index], group) for group in shard_groups for index in group.members]
+            images = parallel_map(_png, [(record, group.bucket) for record, group in placed])
+            rows = [_row(record, group, image) for (record, group), image in zip(placed, images)]
+            shard_records = [record for record, _ in placed]
             for group in shard_groups:
                 bucket_rows[f"{group.bucket[0]}x{group.bucket[1]}"] += len(group.members)
-                for index in group.members:
-                    rows.append(_row(kept[index], group, _png(kept[index], group.bucket)))
-                    shard_records.append(kept[index])
             table = pa.Table.from_pylist(rows, schema=schema)
             if extra_columns is not None:
                 for name, column in extra_columns(shard_records, rows).items():
