@@ -141,6 +141,10 @@ def test_replay_names_the_rows_of_a_step_and_bad_stages_are_refused(run, capsys)
         stage = "s64" if step <= 24 else "s128"
         assert line == {"stage": stage, "step": step, "sample_ids": [table[i]["sample_id"] for i in rows]}
 
+    assert krea2(["pretrain", config, "--dry-run", "--output-dir", str(root / "dry")]) == 0
+    plan = capsys.readouterr().out
+    assert "stage s64: steps 1..24" in plan and "repa on steps 1..8" in plan and "AdamW" in plan
+    assert not (root / "dry").exists()  # nothing written
     assert krea2(["pretrain", config, "--dry-run", "stages.0.batch_size=2"]) == 2
     err = capsys.readouterr().err
     assert str(root / "packs/64") in err and "batch_size=4" in err and "batch_size=2" in err
