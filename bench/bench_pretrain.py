@@ -4,8 +4,9 @@
     python bench/bench_pretrain.py --steps 50 --resolution 128 --batch-size 2
 
 Each variant runs the real loop pieces (pack rows decoded, VAE and text encoder on the fly, forward,
-backward, optimizer step) of one stage over the same synthetic pack, in this process, after
-``--warmup`` untimed steps; samples/s and the ratio to AdamW without REPA are printed.
+backward, optimizer step) of one stage over the same synthetic pack, in this process; the variants
+take turns step by step after ``--warmup`` untimed steps; samples/s and the ratio to AdamW without
+REPA are printed.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from finetune.pretrain.trainer import Pretrainer  # noqa: E402
 VARIANTS = (("adamw", False), ("muon", False), ("adamw", True), ("muon", True))
 
 
-def bench(optimizer: str, repa: bool, pack: Path, root: Path, args) -> float:
+def make_trainer(optimizer: str, repa: bool, pack: Path, root: Path, args):
+    """A set-up trainer and its step stream for one variant."""
     stage = {"name": "s", "data": str(pack), "resolution": args.resolution, "batch_size": args.batch_size,
              "steps": args.warmup + args.steps}
     if repa:
@@ -45,12 +47,21 @@ def bench(optimizer: str, repa: bool, pack: Path, root: Path, args) -> float:
     trainer = Pretrainer(config)
     trainer.prepare()
     trainer.setup_stage(0)
-    start = None
-    for item in trainer._loader(0, config.total_steps):
-        if item["step"] == args.warmup + 1:
+    return trainer, iter(trainer._loader(0, config.total_steps))
+
+
+def bench(pack: Path, root: Path, args) -> dict[str, float]:
+    """samples/s per variant. The variants take turns step by step, so a machine whose load drifts
+    during the run slows them all alike."""
+    runs = {f"{o}{' + repa' if r else ''}": make_trainer(o, r, pack, root, args) for o, r in VARIANTS}
+    seconds = dict.fromkeys(runs, 0.0)
+    for step in range(args.warmup + args.steps):
+        for name, (trainer, stream) in runs.items():
             start = time.perf_counter()
-        trainer.train_step(item)
-    return args.steps * args.batch_size / (time.perf_counter() - start)
+            trainer.train_step(next(stream))
+            if step >= args.warmup:
+                seconds[name] += time.perf_counter() - start
+    return {name: args.steps * args.batch_size / s for name, s in seconds.items()}
 
 
 def main() -> None:
@@ -68,7 +79,7 @@ def main() -> None:
         manifest = make_synthetic_set(root / "data", count=64)
         pack = root / "pack"
         write_pack(manifest_records(manifest), pack, resolution=args.resolution, batch_size=args.batch_size)
-        results = {f"{o}{' + repa' if r else ''}": bench(o, r, pack, root, args) for o, r in VARIANTS}
+        results = bench(pack, root, args)
     base = results["adamw"]
     device = "cuda" if torch.cuda.is_available() else f"cpu ({args.threads} thread(s))"
     print(f"tiny recipe, {args.resolution} px, batch {args.batch_size}, {args.steps} timed steps, {device}")
