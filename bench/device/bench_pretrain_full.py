@@ -45,13 +45,20 @@ GIB = 1024**3
 
 
 def model_flops_per_step(model: Krea2Transformer2DModel, batch: int, image_tokens: int, text_len: int) -> float:
-    """6 x (matmul parameters x tokens) for the blocks and in/out layers, plus attention scores and
-    values (4 x seq^2 x dim per block forward, x3 for training). Text fusion runs on text tokens."""
+    """6 x (matmul parameters x tokens they see) for the blocks, the text fusion (layer-wise blocks
+    see each text token's stack of tapped layers, the refiner the text tokens) and the in/out
+    layers, plus attention scores and values of the main blocks (4 x seq^2 x dim per block forward,
+    x3 for training). Small layers (embeddings, text projection) are left out."""
     seq = image_tokens + text_len
     dim = model.config.attention_head_dim * model.config.num_attention_heads
-    block_linear = sum(p.numel() for n, p in model.transformer_blocks.named_parameters() if n.endswith("weight") and p.ndim == 2)
-    fusion_linear = sum(p.numel() for n, p in model.text_fusion.named_parameters() if p.ndim == 2)
-    flops = 6 * batch * (block_linear * seq + fusion_linear * text_len * model.config.num_text_layers)
+
+    def matmul_params(module):
+        return sum(p.numel() for n, p in module.named_parameters() if n.endswith("weight") and p.ndim == 2)
+
+    fusion = model.text_fusion
+    flops = 6 * batch * (matmul_params(model.transformer_blocks) * seq
+                         + matmul_params(fusion.layerwise_blocks) * text_len * model.config.num_text_layers
+                         + matmul_params(fusion.refiner_blocks) * text_len)
     flops += 6 * batch * (model.img_in.weight.numel() + model.final_layer.linear.weight.numel()) * image_tokens
     flops += 3 * 4 * batch * seq * seq * dim * model.config.num_layers
     return float(flops)
