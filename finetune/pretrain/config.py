@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 import yaml
 
-from ..config import (CheckpointConfig, ConfigError, LoggingConfig, LRSchedulerConfig, ObjectiveConfig, _from_dict,
-                      parse_override)
+from ..config import (CheckpointConfig, ConfigError, LoggingConfig, LRSchedulerConfig, ObjectiveConfig, OptimizerConfig,
+                      _from_dict, parse_override)
 
 ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
 
@@ -57,18 +57,17 @@ class PretrainModelConfig:
 
 
 @dataclass
-class PretrainOptimizerConfig:
+class PretrainOptimizerConfig(OptimizerConfig):
+    """finetune's optimizer section with Muon as the alternative to AdamW and pretraining defaults."""
+
     name: Literal["adamw", "muon"] = "adamw"
-    learning_rate: float = 1e-4
-    """One rate for both optimizers: Muon's updates are RMS-matched to AdamW's (``match_rms_adamw``)."""
+    """One ``learning_rate`` for both optimizers: Muon's updates are RMS-matched to AdamW's (``match_rms_adamw``)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
     weight_decay: float = 0.1
     norm_weight_decay: bool = True
     """Decay the zero-centred RMSNorm scales too (towards scale 1), as the report does."""
     momentum: float = 0.95
     """Muon's (Nesterov) momentum."""
-    max_grad_norm: float | None = 1.0
 
 
 @dataclass
