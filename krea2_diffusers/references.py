@@ -39,9 +39,10 @@ logger = logging.getLogger(__name__)
 # Krea's hosted API takes up to 10 image style references, each with its own strength.
 MAX_STYLE_REFERENCES = 10
 DEFAULT_STYLE_STRENGTH = 1.0
-# A moodboard is many images read together as ONE direction. Its strength is the board's total weight,
-# shared equally by its images (so a 20-image board at 0.35 pulls as hard as 0.35 of one reference);
-# 0.35 is the hosted API's moodboard default. The cap bounds the extra tokens (and memory) per step.
+# A moodboard is many images read together as ONE direction: they are tiled into one board image of
+# one reference's budget (``style.moodboard_image``), weighted by one strength, so a 20-image board at
+# 0.35 pulls like one reference at 0.35 and costs the same as a 2-image board; 0.35 is the hosted
+# API's moodboard default. The cap keeps every image's cell on the board at least ~85 px at 512.
 MAX_MOODBOARD_IMAGES = 32
 DEFAULT_MOODBOARD_STRENGTH = 0.35
 
@@ -180,15 +181,17 @@ def check_style_inputs(style_images, style_strengths=None, max_references: int =
         style_strengths: per-image strengths >= 0 (None: 1.0 each; a single number applies to all).
             s = 1 is the unweighted mechanism, s = 0 removes the reference exactly.
         max_references: cap on the number of separate references (default 10, as Krea's API).
-        moodboard: read the images together as ONE direction instead: up to
+        moodboard: read the images together as ONE reference instead: 1 to
             :data:`MAX_MOODBOARD_IMAGES` images, ``style_strengths`` is None (0.35) or one number for the
-            whole board, and each image gets ``strength / n`` so the board weighs like one reference.
+            whole board; the returned list then holds that one strength.
 
     Raises:
         ValueError: strengths without images, more or fewer strengths than images, a negative or
             non-finite strength, or too many images.
     """
     count = _count_images(style_images)
+    if moodboard and count == 0:
+        raise ValueError(f"a moodboard takes 1 to {MAX_MOODBOARD_IMAGES} images, got none")
     if count == 0:
         if style_strengths is not None and not (isinstance(style_strengths, (list, tuple)) and not style_strengths):
             raise ValueError("style_strengths given without style_images")
@@ -200,8 +203,7 @@ def check_style_inputs(style_images, style_strengths=None, max_references: int =
             if len(style_strengths) != 1:
                 raise ValueError(f"a moodboard has one strength for the whole board, got {len(style_strengths)} strengths")
             style_strengths = style_strengths[0]
-        total = DEFAULT_MOODBOARD_STRENGTH if style_strengths is None else _check_strength(style_strengths, "moodboard strength")
-        return [total / count] * count
+        return [DEFAULT_MOODBOARD_STRENGTH if style_strengths is None else _check_strength(style_strengths, "moodboard strength")]
     if isinstance(max_references, bool) or not isinstance(max_references, int) or max_references < 1:
         raise ValueError(f"max_references must be a positive integer, got {max_references!r}")
     if count > max_references:
