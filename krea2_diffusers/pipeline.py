@@ -94,6 +94,22 @@ class Krea2Pipeline(DiffusionPipeline):
         return pipe
 
     @classmethod
+    def from_pipe(cls, pipeline, **kwargs):
+        """A pipeline of this class on ``pipeline``'s components (no copies; offload hooks kept),
+        e.g. ``Krea2Img2ImgPipeline.from_pipe(pipe)``. Keyword arguments replace components or
+        config values (``is_distilled`` ...). Unlike diffusers' generic version no dtype is cast."""
+        components = {name: kwargs.pop(name, module) for name, module in pipeline.components.items()}
+        config = {key: kwargs.pop(key, pipeline.config[key]) for key in ("text_encoder_select_layers", "is_distilled", "patch_size")}
+        if kwargs:
+            raise ValueError(f"from_pipe got unknown arguments {sorted(kwargs)}")
+        new = cls(**components, **config)
+        new.label, new.batch_cfg = pipeline.label, pipeline.batch_cfg
+        if hasattr(pipeline, "_style_cache"):
+            new._style_cache = pipeline._style_cache
+        new.set_progress_bar_config(**getattr(pipeline, "_progress_bar_config", {}))
+        return new
+
+    @classmethod
     def from_single_file(cls, path, text_encoder="Qwen/Qwen3-VL-4B-Instruct", vae="Qwen/Qwen-Image", tokenizer=None,
                          torch_dtype=None, is_distilled: bool | None = None, **load_kwargs):
         """Assemble a pipeline from a RAW or Turbo transformer file (safetensors or GGUF) plus the

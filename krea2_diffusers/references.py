@@ -104,44 +104,56 @@ def to_rgb(image: PIL.Image.Image) -> PIL.Image.Image:
     return image.convert("RGB")
 
 
-def load_reference_images(images) -> list[PIL.Image.Image]:
-    """Load reference images as RGB PIL images.
+def to_gray(image: PIL.Image.Image, what: str = "mask") -> PIL.Image.Image:
+    """A single-channel (L) copy of ``image``; other modes are converted (luminance) with a warning."""
+    if image.mode == "L":
+        return image
+    if image.mode not in ("1", "I", "I;16", "F"):
+        logger.warning("%s has %d channels (%s); converting it to one channel (luminance)", what, len(image.getbands()), image.mode)
+    return image.convert("L")
+
+
+def load_reference_images(images, what: str = "style image", gray: bool = False) -> list[PIL.Image.Image]:
+    """Load images as RGB (or, with ``gray``, single-channel L) PIL images.
 
     Args:
         images: one item or a list of items, each a file path, a PIL image, a numpy array or a torch
             tensor ((H, W), (H, W, C), (C, H, W), or a batch (B, ...) that yields B images; uint8 or
             float in [0, 1]; ComfyUI IMAGE tensors (B, H, W, C) work as they are).
+        what: how errors and warnings name the images ("style image", "mask_image" ...).
     Raises:
         ValueError: an unreadable / missing file (naming it) or an unusable array.
     """
     if images is None:
         return []
+    convert = (lambda image: to_gray(image, what)) if gray else to_rgb
     items = [images] if isinstance(images, (str, os.PathLike, PIL.Image.Image, np.ndarray, torch.Tensor)) else list(images)
     loaded: list[PIL.Image.Image] = []
     for index, item in enumerate(items):
-        name = f"style image {index}"
+        name = f"{what} {index}"
         if isinstance(item, (str, os.PathLike)):
             path = Path(item)
             try:
                 with PIL.Image.open(path) as opened:
                     opened.load()  # read now: a truncated file must fail here, not later inside the model
-                    loaded.append(to_rgb(opened).copy())
+                    loaded.append(convert(opened).copy())
             except FileNotFoundError:
-                raise ValueError(f"cannot read style image {str(path)!r}: no such file") from None
+                raise ValueError(f"cannot read {what} {str(path)!r}: no such file") from None
             except (OSError, PIL.UnidentifiedImageError, PIL.Image.DecompressionBombError, ValueError) as err:
-                raise ValueError(f"cannot read style image {str(path)!r}: {err}") from None
+                raise ValueError(f"cannot read {what} {str(path)!r}: {err}") from None
         elif isinstance(item, PIL.Image.Image):
-            loaded.append(to_rgb(item))
+            loaded.append(convert(item))
         elif isinstance(item, torch.Tensor):
             tensor = item.detach().cpu()
-            loaded.extend(_array_to_image((tensor.float() if tensor.is_floating_point() else tensor).numpy(), name))
+            array = (tensor.float() if tensor.is_floating_point() else tensor).numpy()
+            loaded.extend(convert(image) for image in _array_to_image(array, name))
         elif isinstance(item, np.ndarray):
-            loaded.extend(_array_to_image(item, name))
+            loaded.extend(convert(image) for image in _array_to_image(item, name))
         else:
             raise ValueError(f"{name}: expected a path, PIL image, numpy array or torch tensor, got {type(item).__name__}")
     for index, image in enumerate(loaded):
         if image.width < 1 or image.height < 1:
-            raise ValueError(f"style image {index} is empty ({image.width}x{image.height})")
+            raise ValueError(f"{what} {index} is empty ({image.width}x{image.height})")
     return loaded
 
 
