@@ -7,6 +7,12 @@ Names are imported on first use (module ``__getattr__``), so ``import krea2_diff
 from __future__ import annotations
 
 import importlib
+import logging
+
+# diffusers imports bitsandbytes whenever it is installed; on CPUs with AVX512-BF16 bitsandbytes then
+# logs that an optional kernel package is missing. Harmless (its own fallback runs): not shown.
+BITSANDBYTES_NOISE = "Failed to load CPU gemm_4bit_forward"
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(lambda record: BITSANDBYTES_NOISE not in record.getMessage())
 
 # Public name -> the module defining it.
 _EXPORTS = {

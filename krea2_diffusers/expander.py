@@ -19,13 +19,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 logger = logging.getLogger(__name__)
 
 CREATIVITY_LEVELS = ("raw", "low", "medium", "high")
 DEFAULT_CREATIVITY = "medium"
 DEFAULT_MAX_NEW_TOKENS = 512
+# Expansions are reproducible by default, like images (seed 0); pass seed=None for a fresh sample.
+DEFAULT_EXPANSION_SEED = 0
 
 # Rules every expanding level follows; they protect what the user asked for.
 _COMMON_RULES = (
@@ -169,6 +169,8 @@ def sample_text(model, tokenizer, input_ids: list[int], kwargs: dict, seed: int 
     The global RNG is untouched: sampling runs inside ``torch.random.fork_rng`` seeded with ``seed``
     (a fresh random seed when None).
     """
+    import torch
+
     if not hasattr(model, "generate"):
         raise ValueError(f"{type(model).__name__} cannot generate text (no LM head); pass a causal LM such as "
                          "Qwen3VLForConditionalGeneration")
@@ -190,7 +192,7 @@ def _check_seed(seed) -> None:
 
 
 def expand_prompts(
-    model, tokenizer, prompts: list[str], creativity: str = DEFAULT_CREATIVITY, seed: int | None = None,
+    model, tokenizer, prompts: list[str], creativity: str = DEFAULT_CREATIVITY, seed: int | None = DEFAULT_EXPANSION_SEED,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
 ) -> list[str]:
     """Expand prompts with a causal LM.
@@ -202,7 +204,8 @@ def expand_prompts(
         creativity: one of :data:`CREATIVITY_LEVELS`; ``"raw"`` returns the prompts unchanged without
             touching the model.
         seed: prompt i is sampled with ``seed + i`` (as images are seeded), so an expansion does not
-            depend on the rest of the batch; None samples freshly. The global RNG is never disturbed.
+            depend on the rest of the batch; default 0 (reproducible), None samples freshly. The
+            global RNG is never disturbed.
         max_new_tokens: cap on the expansion's length in tokens.
 
     Returns:

@@ -21,10 +21,10 @@ from diffusers.utils.torch_utils import randn_tensor
 from . import sampling
 from .conditioning import DEFAULT_MAX_SEQUENCE_LENGTH, TAPPED_LAYERS, encode_prompts, pad_conditioning
 from .latents import PATCH_SIZE, PIXELS_PER_TOKEN, decode_latents, pack_latents, position_ids, round_to_multiple, unpack_latents
-from .presets import preset_for
 from .style import DEFAULT_STYLE_RESOLUTION, STYLE_MODES
 from .tiny import TINY_LABEL, is_tiny, tiny_components
-from .transformer import REFERENCE_ATTENTION, Krea2Transformer2DModel
+from .presets import REFERENCE_ATTENTION, preset_for
+from .transformer import Krea2Transformer2DModel
 from .vae import enable_single_frame_convs
 
 logger = logging.getLogger(__name__)
@@ -214,7 +214,7 @@ class Krea2Pipeline(DiffusionPipeline):
         max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH,
         guidance_interval: tuple[float, float] | None = None,
         creativity: str | None = None,
-        expansion_seed: int | None = None,
+        expansion_seed: int | None = 0,
         style_images: list | None = None,
         style_strengths: list[float] | None = None,
         style_mode: str = "reference",
@@ -240,7 +240,8 @@ class Krea2Pipeline(DiffusionPipeline):
             guidance_interval: (low, high): apply CFG only for t in [low, high] (t = 1 is noise).
             creativity: "raw" | "low" | "medium" | "high": expand the prompts first with the text
                 encoder's own LM (see :meth:`expand_prompt`); the text used is in ``output.expanded_prompts``.
-            expansion_seed: seed of the expansion (default 0).
+            expansion_seed: seed of the expansion (default 0: the same prompt expands the same way;
+                None samples a fresh one).
             style_images: up to 10 reference images (paths or PIL images) whose style steers the image.
             style_strengths: one strength >= 0 per image (default 1): an additive log(s) bias on the
                 attention to that reference's tokens; 0 removes it exactly.
@@ -408,7 +409,7 @@ class Krea2Pipeline(DiffusionPipeline):
                                    height=height, width=width, max_sequence_length=max_sequence_length, device=device,
                                    cache=self._style_cache, style_resolution=style_resolution)
 
-    def expand_prompt(self, prompt, creativity: str = "medium", seed: int | None = None, max_new_tokens: int = 512, expander=None):
+    def expand_prompt(self, prompt, creativity: str = "medium", seed: int | None = 0, max_new_tokens: int = 512, expander=None):
         """Expand short prompts with the text encoder's own Qwen3-VL LM head (no extra weights), or
         with ``expander=(model, tokenizer)``. ``creativity="raw"`` returns the prompt unchanged.
         Returns a str for a str, a list for a list."""

@@ -24,12 +24,10 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.modeling_utils import ModelMixin
 from diffusers.utils import apply_lora_scale
 
+from .presets import REFERENCE_ATTENTION
 from .layers import Attention, PlainBlock, RMSNorm, SwiGLU, TimestepEmbedding, rope_tables
 
 _COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# How style-reference tokens attend: "joint" (to every token, as the community LoRA was trained) or
-# "cached" (only among themselves: their keys/values per layer are computed once per generation).
-REFERENCE_ATTENTION = ("joint", "cached")
 
 
 @dataclass
