@@ -416,9 +416,23 @@ class Krea2Pipeline(DiffusionPipeline):
         from .expander import expand_prompts
 
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        model, tokenizer = expander if expander is not None else (self.text_encoder, self.tokenizer)
+        model, tokenizer = expander if expander is not None else (self.language_model(), self.tokenizer)
         out = expand_prompts(model, tokenizer, prompts, creativity=creativity, seed=seed, max_new_tokens=max_new_tokens)
         return out[0] if isinstance(prompt, str) else out
+
+    def language_model(self):
+        """The text encoder with its LM head (prompt expansion, style descriptions). A bare
+        ``Qwen3VLModel`` gets the head wrapped around it once, sharing every weight (see
+        :func:`~krea2_diffusers.expander.with_lm_head`)."""
+        from .expander import with_lm_head
+
+        if self.text_encoder is None:
+            raise ValueError("the text encoder was released (memory.release_text_encoder); reload the pipeline to expand prompts")
+        cached = getattr(self, "_language_model", None)
+        if cached is None or cached[0] is not self.text_encoder:
+            folder = self.config.get("_name_or_path") if hasattr(self.config, "get") else None
+            cached = self._language_model = (self.text_encoder, with_lm_head(self.text_encoder, folder))
+        return cached[1]
 
     def _velocity(self, latents, t, conditioning, cond_only, guidance, interval, attention_kwargs, total):
         """The (guided) velocity (B, N, 64) at time t; one transformer pass when CFG is batched."""

@@ -159,7 +159,7 @@ def _reference_text(pipe, texts, images, max_sequence_length, device, max_pixels
 
 def _described_text(pipe, texts, images, max_sequence_length, device, cache, seed):
     """[prompt | description 1 | description 2 ...] token groups, the same offsets in every row."""
-    descriptions = [cache.describe(pipe.text_encoder, pipe.tokenizer, image, seed=seed) for image in images]
+    descriptions = [cache.describe(pipe.language_model(), pipe.tokenizer, image, seed=seed) for image in images]
     layers = pipe.config.text_encoder_select_layers
     embeds, mask = encode_prompts(pipe.text_encoder, pipe.tokenizer, list(texts), layers=layers, max_sequence_length=max_sequence_length, device=device)
     parts, masks, groups = [embeds], [mask], []
