@@ -131,9 +131,9 @@ def _cast_for_compute(module: nn.Module, dtype: torch.dtype) -> None:
 
 def _describe(memory: str, plan: MemoryPlan, device: torch.device) -> str:
     placement = {
-        "none": "all components resident",
-        "model": "model CPU offload (one component on the accelerator at a time)",
-        "group": "group offload (transformer block by block, text encoder layer groups)",
+        "none": "all components resident (text encoder kept on the accelerator)",
+        "model": "model CPU offload (one component on the accelerator at a time; the text encoder waits on the CPU)",
+        "group": "group offload (transformer block by block, text encoder layer groups; both wait on the CPU)",
     }[plan.offload]
     parts = [placement]
     if plan.transformer_storage == "fp8":

@@ -140,7 +140,8 @@ class Krea2Pipeline(DiffusionPipeline):
         """
         if prompt_embeds is None:
             if self.text_encoder is None:
-                raise ValueError("the text encoder was released (memory preset); pass prompt_embeds, or reload the pipeline")
+                raise ValueError("the text encoder was released (memory.release_text_encoder); pass prompt_embeds and "
+                                 "prompt_embeds_mask from encode_prompt, or reload the pipeline")
             prompts = [prompt] if isinstance(prompt, str) else prompt
             prompt_embeds, prompt_embeds_mask = encode_prompts(
                 self.text_encoder, self.tokenizer, list(prompts), layers=self.config.text_encoder_select_layers,
@@ -467,7 +468,9 @@ class Krea2Pipeline(DiffusionPipeline):
 
     def enable_memory_preset(self, memory: str = "auto", device=None) -> str:
         """Fit the pipeline into a memory budget (``auto``, ``high``, ``24gb``, ``16gb``, ``12gb``,
-        ``8gb``): offload, fp8/NF4 storage, freeing the text encoder... Returns what was chosen."""
+        ``8gb``): model or group offload (the text encoder then waits on the CPU between prompts, it
+        is never dropped), fp8/NF4 storage. Returns what was chosen, the text encoder's place
+        included. To drop the text encoder after encoding prompts, see ``memory.release_text_encoder``."""
         from .memory import apply_memory_preset
 
         return apply_memory_preset(self, memory, device=device)
