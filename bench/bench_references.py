@@ -128,20 +128,29 @@ def main() -> None:
         board = reference_images(count, args.size)
         settings.append((f"board {count} cached", dict(style_images=board, style_strengths=args.strength,
                                                         style_moodboard=True, reference_attention="cached")))
-    baseline = None
+    calls = {}
+    for name, extra in settings:
+        kwargs = dict(base, **extra)
+        if extra:
+            kwargs.update(style_mode=args.mode, style_resolution=budget)
+        calls[name] = kwargs
+    runs = {name: [] for name in calls}
     with torch.inference_mode():
-        for name, extra in settings:
-            kwargs = dict(base, **extra)
-            if extra:
-                kwargs.update(style_mode=args.mode, style_resolution=budget)
-            timed_call(pipe, sync, generator=torch.Generator().manual_seed(0), **kwargs)  # warm-up (and describe's cache)
-            runs = [timed_call(pipe, sync, generator=torch.Generator().manual_seed(0), **kwargs) for _ in range(args.repeats)]
-            best = min(runs, key=lambda r: r["total"])
-            step = min(r["per_step"] for r in runs)
-            if baseline is None:
-                baseline = (step, best["total"])
-            print(f"{name:>16} {step * 1e3:>12.1f} {step / baseline[0]:7.2f} {best['setup'] * 1e3:>9.1f} "
-                  f"{best['total']:>12.3f} {best['total'] / baseline[1]:7.2f}", flush=True)
+        # One warm-up each (and describe's cache), then rounds that visit every setting in turn, so
+        # that load drifting on a shared machine hits every setting alike; best of the rounds.
+        for round_index in range(args.repeats + 1):
+            for name, kwargs in calls.items():
+                result = timed_call(pipe, sync, generator=torch.Generator().manual_seed(0), **kwargs)
+                if round_index:
+                    runs[name].append(result)
+    baseline = None
+    for name, results in runs.items():
+        best = min(results, key=lambda r: r["total"])
+        step = min(r["per_step"] for r in results)
+        if baseline is None:
+            baseline = (step, best["total"])
+        print(f"{name:>16} {step * 1e3:>12.1f} {step / baseline[0]:7.2f} {best['setup'] * 1e3:>9.1f} "
+              f"{best['total']:>12.3f} {best['total'] / baseline[1]:7.2f}", flush=True)
 
 
 if __name__ == "__main__":
