@@ -6,26 +6,153 @@
 
 The generate function is also an API endpoint, ``/generate`` (prompt first), e.g. with gradio_client:
 ``Client("http://127.0.0.1:7860").predict("a red fox in snow", api_name="/generate")``.
-The UI-independent logic lives in ``krea2_diffusers/demo.py``.
+Request limits and input checks come from ``krea2_diffusers.limits``; loading, generating and
+saving (``Demo``) live here, with the UI.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import random
 import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import gradio as gr
 import torch
 
 from krea2_diffusers import Krea2Pipeline
 from krea2_diffusers.assembly import load_pipeline
-from krea2_diffusers.demo import (
-    CREATIVITY, MAX_SEED, STYLE_MODES, Demo, InputError, Limits, Request, parse_lora, random_seed,
+from krea2_diffusers.files import split_path_and_number
+from krea2_diffusers.limits import (
+    CREATIVITY, GUIDANCE_CONVENTION, MAX_SEED, SIZE_PRESETS, STYLE_MODES, TEST_SIZE_PRESETS, InputError, Limits,
+    Request, check,
 )
 from krea2_diffusers.memory import MEMORY_PRESETS, apply_memory_preset
+from krea2_diffusers.metadata import save_png
+from krea2_diffusers.presets import looks_distilled, preset_for
+from krea2_diffusers.tiny import is_tiny
 
 GUIDANCE_LABEL = "Guidance (Krea scale: 0 = off; the usual CFG scale is this + 1)"
 REFERENCE_SLOTS = 4  # style-reference inputs of the UI and of /generate
+
+
+@dataclass
+class Result:
+    image: object  # PIL image
+    png_path: Path  # the image with its settings in PNG text chunks
+    settings: dict
+    expanded_prompt: str | None
+
+
+def parse_lora(spec: str) -> tuple[str, float]:
+    """``"path"`` or ``"path:strength"`` -> (path, strength), as ``--lora`` takes it."""
+    return split_path_and_number(spec, 1.0)
+
+
+def random_seed() -> int:
+    return random.randint(0, MAX_SEED)
+
+
+class Demo:
+    """The demo's models (Turbo and/or RAW) and generation.
+
+    Args:
+        models: variant label ("Turbo", "RAW") -> model (``tiny-random``, a diffusers folder or hub id,
+            or a ``.safetensors``/``.gguf`` transformer file).
+        load: ``load(model, is_distilled) -> pipeline``.
+        output_dir: where the PNGs with settings are written (the newest ``keep_files`` are kept).
+    """
+
+    def __init__(self, models: dict[str, str], load, output_dir, limits: Limits = Limits(), keep_files: int = 200):
+        self.models, self._load, self.limits = dict(models), load, limits
+        self.output_dir, self.keep_files = Path(output_dir), keep_files
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.tiny = all(is_tiny(m) for m in self.models.values())
+        offered = {**(TEST_SIZE_PRESETS if self.tiny else {}), **SIZE_PRESETS}
+        self.sizes = {name: size for name, size in offered.items() if max(size) <= limits.max_side}
+        # Real checkpoints are large: keep one loaded at a time (tiny-random: both).
+        self._max_loaded = len(self.models) if self.tiny else 1
+        self._loaded: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def variants_for(model: str, raw_model: str | None = None, is_distilled: bool | None = None) -> dict[str, str]:
+        """The UI's model choices: with ``raw_model``, ``model`` is the Turbo; alone, tiny-random is offered
+        as both and a real model as what ``is_distilled`` (default: its name) says it is."""
+        if raw_model is not None:
+            return {"Turbo": model, "RAW": raw_model}
+        if is_tiny(model) and is_distilled is None:
+            return {"Turbo": model, "RAW": model}
+        turbo = looks_distilled(model) if is_distilled is None else is_distilled
+        return {("Turbo" if turbo else "RAW"): model}
+
+    def preset(self, variant: str):
+        return preset_for(variant == "Turbo")
+
+    def label(self) -> str:
+        pipe = next(iter(self._loaded.values()), None)
+        return getattr(pipe, "label", None) or ", ".join(f"{v}: {m}" for v, m in self.models.items())
+
+    def pipeline(self, variant: str):
+        with self._lock:
+            if variant not in self._loaded:
+                while len(self._loaded) >= self._max_loaded:
+                    self._loaded.pop(next(iter(self._loaded)))
+                    gc.collect()
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+                self._loaded[variant] = self._load(self.models[variant], variant == "Turbo")
+            return self._loaded[variant]
+
+    def generate(self, request: Request, progress=None) -> Result:
+        """Run one request. ``progress(step, total, what="Sampling")`` is called after every step."""
+        width, height = check(request, self.limits, self.sizes, self.models)
+        pipe = self.pipeline(request.variant)
+        preset = pipe.preset
+        steps = int(request.steps) if request.steps is not None else preset.num_inference_steps
+        guidance = float(request.guidance) if request.guidance is not None else preset.guidance_scale
+        prompt, expanded, extra = request.prompt, None, {}
+        if request.creativity != "raw":  # what pipe(creativity=...) does, with our token limit
+            if progress is not None:
+                progress(0, steps, "Expanding the prompt")
+            prompt = expanded = pipe.expand_prompt(request.prompt, creativity=request.creativity, seed=int(request.seed),
+                                                   max_new_tokens=self.limits.max_expansion_tokens)
+        if request.style_images:
+            extra.update(style_images=list(request.style_images), style_strengths=[float(s) for s in request.style_strengths],
+                         style_mode=request.style_mode)
+
+        def on_step(pipeline, step, timestep, tensors):
+            if progress is not None:
+                progress(step + 1, steps)
+            return tensors
+
+        output = pipe(prompt, negative_prompt=request.negative_prompt or "", width=width, height=height,
+                      num_inference_steps=steps, guidance_scale=guidance,
+                      generator=torch.Generator().manual_seed(int(request.seed)), callback_on_step_end=on_step, **extra)
+        image = output.images[0]
+        settings = {
+            "prompt": request.prompt, "negative_prompt": request.negative_prompt or "", "seed": int(request.seed),
+            "steps": steps, "guidance_scale": guidance, "guidance_convention": GUIDANCE_CONVENTION,
+            "width": image.width, "height": image.height, "model": getattr(pipe, "label", None) or self.models[request.variant],
+            "variant": request.variant,
+        }
+        if request.creativity != "raw":
+            settings.update(creativity=request.creativity, expanded_prompt=expanded)
+        if request.style_images:
+            settings.update(style_strengths=[float(s) for s in request.style_strengths], style_mode=request.style_mode)
+        return Result(image, self._save(image, settings), settings, expanded)
+
+    def _save(self, image, settings: dict) -> Path:
+        path = self.output_dir / f"krea2-{time.strftime('%Y%m%d-%H%M%S')}-{settings['seed']}-{time.monotonic_ns() % 10**6}.png"
+        save_png(image, path, settings)
+        old = sorted(self.output_dir.glob("krea2-*.png"), key=lambda p: p.stat().st_mtime)[:-self.keep_files]
+        for stale in old:
+            stale.unlink(missing_ok=True)
+        return path
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,4 +1,5 @@
-"""Cost of style references: 1, 3 and 10 references vs none, per denoising step and per image.
+"""Cost of style references: 1, 3 and 10 references vs none, per denoising step and per image,
+in "joint" and "cached" reference attention, and moodboards of 2 and 16 images.
 
 Runs ``pipe(prompt, style_images=[...], style_strengths=[...])`` on the tiny random pipeline (or the
 proportioned one of ``bench_pipeline.py`` with ``--proportioned``) and times every call with a
@@ -10,11 +11,13 @@ step callback, so the numbers split into
 * per image: the whole call, decode included.
 
 References are random images; the default strength 0.7 keeps the log-strength attention bias on
-(``--strength 1`` takes the bias-free path). Reference latents are encoded at the target's pixel area, so each
-reference adds about as many tokens as the target image: expect the per-step cost to grow
-faster than linearly (attention) with the number of references.
+(``--strength 1`` takes the bias-free path). All references share one budget of
+``--style-resolution``^2 pixels (default 512: 1024 tokens in total; 0 = each at the target's area,
+the unbounded community workflow). "joint" puts the reference tokens into every step's sequence;
+"cached" runs them once per image and every step only attends to their stored keys/values.
+A moodboard is one board image of the budget: 2 and 16 images should cost the same.
 
-    python bench/bench_references.py [--size 256] [--steps 4] [--refs 0 1 3 10] [--mode reference]
+    python bench/bench_references.py --proportioned --size 512 --attention cached joint --moodboards 2 16
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ def check_support(pipe) -> None:
     import inspect
 
     params = inspect.signature(type(pipe).__call__).parameters
-    missing = [name for name in ("style_images", "style_strengths") if name not in params]
+    missing = [name for name in ("style_images", "style_strengths", "reference_attention") if name not in params]
     if missing:
         raise SystemExit(f"Krea2Pipeline.__call__ has no {missing} yet: the pipeline's style-reference support has not landed")
 
@@ -92,6 +95,10 @@ def main() -> None:
     parser.add_argument("--strength", type=float, default=REFERENCE_STRENGTH,
                         help="every reference's strength (1 = the bias-free path)")
     parser.add_argument("--repeats", type=int, default=2, help="best of N per setting (after one warm-up)")
+    parser.add_argument("--attention", nargs="+", choices=("joint", "cached"), default=["cached", "joint"],
+                        help="reference attention modes to time")
+    parser.add_argument("--style-resolution", type=int, default=512, help="reference budget side in px (0 = unbounded)")
+    parser.add_argument("--moodboards", type=int, nargs="*", default=[2, 16], help="moodboard sizes to time (cached)")
     parser.add_argument("--proportioned", action="store_true", help="bench_pipeline.py's 1/16-width proportions")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -109,22 +116,41 @@ def main() -> None:
     kind = "proportioned" if args.proportioned else "tiny-random"
     print(f"{kind} on {args.device} ({args.dtype}, {torch.get_num_threads()} threads): {args.size}x{args.size}, "
           f"{args.steps} steps, CFG {args.guidance}, mode {args.mode}, strength {args.strength}")
-    print(f"{'refs':>4} {'per step ms':>12} {'x none':>7} {'setup ms':>9} {'per image s':>12} {'x none':>7}")
-    baseline = None
+    budget = args.style_resolution or None
+    print(f"reference budget: {'target area per reference' if budget is None else f'{budget}^2 px shared'}")
+    print(f"{'setting':>16} {'per step ms':>12} {'x none':>7} {'setup ms':>9} {'per image s':>12} {'x none':>7}")
+    settings = [("none", {})]
+    for count in (c for c in args.refs if c):
+        for attention in args.attention:
+            settings.append((f"{count} refs {attention}", dict(
+                style_images=images[:count], style_strengths=[args.strength] * count, reference_attention=attention)))
+    for count in args.moodboards:
+        board = reference_images(count, args.size)
+        settings.append((f"board {count} cached", dict(style_images=board, style_strengths=args.strength,
+                                                        style_moodboard=True, reference_attention="cached")))
+    calls = {}
+    for name, extra in settings:
+        kwargs = dict(base, **extra)
+        if extra:
+            kwargs.update(style_mode=args.mode, style_resolution=budget)
+        calls[name] = kwargs
+    runs = {name: [] for name in calls}
     with torch.inference_mode():
-        for count in args.refs:
-            kwargs = dict(base)
-            if count:
-                kwargs.update(style_images=images[:count], style_strengths=[args.strength] * count, style_mode=args.mode)
-            timed_call(pipe, sync, generator=torch.Generator().manual_seed(0), **kwargs)  # warm-up (and describe's cache)
-            runs = [timed_call(pipe, sync, generator=torch.Generator().manual_seed(0), **kwargs) for _ in range(args.repeats)]
-            best = min(runs, key=lambda r: r["total"])
-            step = min(r["per_step"] for r in runs)
-            if count == 0:
-                baseline = (step, best["total"])
-            ratio_step = f"{step / baseline[0]:7.2f}" if baseline else f"{'-':>7}"
-            ratio_total = f"{best['total'] / baseline[1]:7.2f}" if baseline else f"{'-':>7}"
-            print(f"{count:>4} {step * 1e3:>12.1f} {ratio_step} {best['setup'] * 1e3:>9.1f} {best['total']:>12.3f} {ratio_total}")
+        # One warm-up each (and describe's cache), then rounds that visit every setting in turn, so
+        # that load drifting on a shared machine hits every setting alike; best of the rounds.
+        for round_index in range(args.repeats + 1):
+            for name, kwargs in calls.items():
+                result = timed_call(pipe, sync, generator=torch.Generator().manual_seed(0), **kwargs)
+                if round_index:
+                    runs[name].append(result)
+    baseline = None
+    for name, results in runs.items():
+        best = min(results, key=lambda r: r["total"])
+        step = min(r["per_step"] for r in results)
+        if baseline is None:
+            baseline = (step, best["total"])
+        print(f"{name:>16} {step * 1e3:>12.1f} {step / baseline[0]:7.2f} {best['setup'] * 1e3:>9.1f} "
+              f"{best['total']:>12.3f} {best['total'] / baseline[1]:7.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -19,13 +19,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 logger = logging.getLogger(__name__)
 
 CREATIVITY_LEVELS = ("raw", "low", "medium", "high")
 DEFAULT_CREATIVITY = "medium"
 DEFAULT_MAX_NEW_TOKENS = 512
+# Expansions are reproducible by default, like images (seed 0); pass seed=None for a fresh sample.
+DEFAULT_EXPANSION_SEED = 0
 
 # Rules every expanding level follows; they protect what the user asked for.
 _COMMON_RULES = (
@@ -169,6 +169,8 @@ def sample_text(model, tokenizer, input_ids: list[int], kwargs: dict, seed: int 
     The global RNG is untouched: sampling runs inside ``torch.random.fork_rng`` seeded with ``seed``
     (a fresh random seed when None).
     """
+    import torch
+
     if not hasattr(model, "generate"):
         raise ValueError(f"{type(model).__name__} cannot generate text (no LM head); pass a causal LM such as "
                          "Qwen3VLForConditionalGeneration")
@@ -190,7 +192,7 @@ def _check_seed(seed) -> None:
 
 
 def expand_prompts(
-    model, tokenizer, prompts: list[str], creativity: str = DEFAULT_CREATIVITY, seed: int | None = None,
+    model, tokenizer, prompts: list[str], creativity: str = DEFAULT_CREATIVITY, seed: int | None = DEFAULT_EXPANSION_SEED,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
 ) -> list[str]:
     """Expand prompts with a causal LM.
@@ -202,7 +204,8 @@ def expand_prompts(
         creativity: one of :data:`CREATIVITY_LEVELS`; ``"raw"`` returns the prompts unchanged without
             touching the model.
         seed: prompt i is sampled with ``seed + i`` (as images are seeded), so an expansion does not
-            depend on the rest of the batch; None samples freshly. The global RNG is never disturbed.
+            depend on the rest of the batch; default 0 (reproducible), None samples freshly. The
+            global RNG is never disturbed.
         max_new_tokens: cap on the expansion's length in tokens.
 
     Returns:
@@ -268,3 +271,49 @@ def load_expander(name_or_model, torch_dtype=None, device=None):
     if device is not None:
         model = model.to(device)
     return model.eval(), tokenizer
+
+
+def with_lm_head(text_encoder, folder: str | Path | None = None):
+    """``text_encoder`` able to generate text, without a second copy of its weights.
+
+    A ``Qwen3VLForConditionalGeneration`` is returned as is. A bare ``Qwen3VLModel`` (what a
+    diffusers folder may hold) is wrapped in the conditional-generation class whose ``model`` IS
+    that encoder; the LM head is the input embedding when the config ties them (Qwen3-VL-4B does),
+    else ``lm_head.weight`` read from ``folder``'s ``text_encoder/*.safetensors``.
+    """
+    if hasattr(text_encoder, "lm_head") or text_encoder is None:
+        return text_encoder
+    if not hasattr(text_encoder, "language_model"):
+        raise ValueError(f"{type(text_encoder).__name__} is not a Qwen3-VL text encoder; prompt expansion needs one")
+    import torch
+    from transformers import Qwen3VLForConditionalGeneration
+
+    config = text_encoder.config
+    with torch.device("meta"):
+        wrapper = Qwen3VLForConditionalGeneration(config)
+    wrapper.model = text_encoder  # the encoder's own modules: no copy
+    embed = text_encoder.language_model.embed_tokens.weight
+    tied = getattr(config, "tie_word_embeddings", False) or getattr(getattr(config, "text_config", None), "tie_word_embeddings", False)
+    if tied:
+        wrapper.lm_head.weight = embed
+    else:
+        weight = _read_lm_head(folder)
+        if weight is None:
+            raise ValueError("the text encoder is a Qwen3VLModel without an LM head and its config does not tie the head to "
+                             f"the embeddings; no lm_head.weight found in {folder or 'the pipeline folder'}/text_encoder. "
+                             "Load the text encoder as Qwen3VLForConditionalGeneration for creativity= and style_mode='describe'")
+        wrapper.lm_head.weight = torch.nn.Parameter(weight.to(device=embed.device, dtype=embed.dtype), requires_grad=False)
+    return wrapper.eval()
+
+
+def _read_lm_head(folder):
+    """``lm_head.weight`` from a diffusers folder's ``text_encoder/*.safetensors``, or None."""
+    if folder is None or not (Path(folder) / "text_encoder").is_dir():
+        return None
+    from safetensors import safe_open
+
+    for file in sorted((Path(folder) / "text_encoder").glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            if "lm_head.weight" in handle.keys():
+                return handle.get_tensor("lm_head.weight")
+    return None

@@ -133,14 +133,26 @@ class Attention(nn.Module):
         hidden_states: torch.Tensor,
         attention_bias: torch.Tensor | None = None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        extra_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        kv_sink: list | None = None,
     ) -> torch.Tensor:
-        """hidden_states (B, S, D) -> (B, S, D). ``rope`` = (cos, sin), each (B|1, S, 1, hd)."""
+        """hidden_states (B, S, D) -> (B, S, D). ``rope`` = (cos, sin), each (B|1, S, 1, hd).
+
+        ``extra_kv``: keys and values (B, S_x, H_kv, hd), rotated, appended after this sequence's own
+        (cached reference tokens); ``attention_bias`` then covers S + S_x keys. ``kv_sink``: a list
+        that receives this call's own (key, value).
+        """
         query = self.norm_q(self.to_q(hidden_states).unflatten(-1, (self.num_heads, self.head_dim)))
         key = self.norm_k(self.to_k(hidden_states).unflatten(-1, (self.num_kv_heads, self.head_dim)))
         value = self.to_v(hidden_states).unflatten(-1, (self.num_kv_heads, self.head_dim))
         if rope is not None:
             query = apply_rope(query, *rope)
             key = apply_rope(key, *rope)
+        if kv_sink is not None:
+            kv_sink.append((key, value))
+        if extra_kv is not None:
+            key = torch.cat([key, extra_kv[0].expand(key.shape[0], -1, -1, -1).to(key.dtype)], dim=1)
+            value = torch.cat([value, extra_kv[1].expand(value.shape[0], -1, -1, -1).to(value.dtype)], dim=1)
         out = grouped_attention(query, key, value, attention_bias)
         out = out * torch.sigmoid(self.to_gate(hidden_states))
         return self.to_out[0](out)

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-MEMORY_PRESETS = ("auto", "high", "24gb", "16gb", "12gb", "8gb")
+from .presets import MEMORY_PRESETS
+
 GIB = 1024**3
 PRESET_BUDGET_GIB = {"24gb": 24, "16gb": 16, "12gb": 12, "8gb": 8}
 # Activations of a 1024x1024 CFG step plus the CUDA context and allocator slack.
@@ -130,9 +131,9 @@ def _cast_for_compute(module: nn.Module, dtype: torch.dtype) -> None:
 
 def _describe(memory: str, plan: MemoryPlan, device: torch.device) -> str:
     placement = {
-        "none": "all components resident",
-        "model": "model CPU offload (one component on the accelerator at a time)",
-        "group": "group offload (transformer block by block, text encoder layer groups)",
+        "none": "all components resident (text encoder kept on the accelerator)",
+        "model": "model CPU offload (one component on the accelerator at a time; the text encoder waits on the CPU)",
+        "group": "group offload (transformer block by block, text encoder layer groups; both wait on the CPU)",
     }[plan.offload]
     parts = [placement]
     if plan.transformer_storage == "fp8":
@@ -203,7 +204,10 @@ def apply_memory_preset(pipe, memory: str = "auto", device: str | torch.device |
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     transformer = pipe.transformer
     compact = _already_compact(transformer)
-    plan = plan_memory(component_bytes(transformer), component_bytes(pipe.text_encoder), component_bytes(pipe.vae),
-                       _budget(memory, device), bnb_available=not compact and _bnb_usable(), transformer_compact=compact)
+    sizes = component_bytes(transformer), component_bytes(pipe.text_encoder), component_bytes(pipe.vae)
+    budget = _budget(memory, device)
+    # bitsandbytes is imported only when the budget could call for NF4 (everything resident never does).
+    fits = budget is None or sum(sizes) + ACTIVATION_HEADROOM <= budget
+    plan = plan_memory(*sizes, budget, bnb_available=not fits and not compact and _bnb_usable(), transformer_compact=compact)
     apply_plan(pipe, plan, device)
     return _describe(memory, plan, device)

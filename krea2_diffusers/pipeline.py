@@ -21,9 +21,9 @@ from diffusers.utils.torch_utils import randn_tensor
 from . import sampling
 from .conditioning import DEFAULT_MAX_SEQUENCE_LENGTH, TAPPED_LAYERS, encode_prompts, pad_conditioning
 from .latents import PATCH_SIZE, PIXELS_PER_TOKEN, decode_latents, pack_latents, position_ids, round_to_multiple, unpack_latents
-from .presets import preset_for
-from .style import STYLE_MODES
+from .style import DEFAULT_STYLE_RESOLUTION, STYLE_MODES
 from .tiny import TINY_LABEL, is_tiny, tiny_components
+from .presets import REFERENCE_ATTENTION, preset_for
 from .transformer import Krea2Transformer2DModel
 from .vae import enable_single_frame_convs
 
@@ -94,6 +94,22 @@ class Krea2Pipeline(DiffusionPipeline):
         return pipe
 
     @classmethod
+    def from_pipe(cls, pipeline, **kwargs):
+        """A pipeline of this class on ``pipeline``'s components (no copies; offload hooks kept),
+        e.g. ``Krea2Img2ImgPipeline.from_pipe(pipe)``. Keyword arguments replace components or
+        config values (``is_distilled`` ...). Unlike diffusers' generic version no dtype is cast."""
+        components = {name: kwargs.pop(name, module) for name, module in pipeline.components.items()}
+        config = {key: kwargs.pop(key, pipeline.config[key]) for key in ("text_encoder_select_layers", "is_distilled", "patch_size")}
+        if kwargs:
+            raise ValueError(f"from_pipe got unknown arguments {sorted(kwargs)}")
+        new = cls(**components, **config)
+        new.label, new.batch_cfg = pipeline.label, pipeline.batch_cfg
+        if hasattr(pipeline, "_style_cache"):
+            new._style_cache = pipeline._style_cache
+        new.set_progress_bar_config(**getattr(pipeline, "_progress_bar_config", {}))
+        return new
+
+    @classmethod
     def from_single_file(cls, path, text_encoder="Qwen/Qwen3-VL-4B-Instruct", vae="Qwen/Qwen-Image", tokenizer=None,
                          torch_dtype=None, is_distilled: bool | None = None, **load_kwargs):
         """Assemble a pipeline from a RAW or Turbo transformer file (safetensors or GGUF) plus the
@@ -124,7 +140,8 @@ class Krea2Pipeline(DiffusionPipeline):
         """
         if prompt_embeds is None:
             if self.text_encoder is None:
-                raise ValueError("the text encoder was released (memory preset); pass prompt_embeds, or reload the pipeline")
+                raise ValueError("the text encoder was released (memory.release_text_encoder); pass prompt_embeds and "
+                                 "prompt_embeds_mask from encode_prompt, or reload the pipeline")
             prompts = [prompt] if isinstance(prompt, str) else prompt
             prompt_embeds, prompt_embeds_mask = encode_prompts(
                 self.text_encoder, self.tokenizer, list(prompts), layers=self.config.text_encoder_select_layers,
@@ -198,11 +215,14 @@ class Krea2Pipeline(DiffusionPipeline):
         max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH,
         guidance_interval: tuple[float, float] | None = None,
         creativity: str | None = None,
-        expansion_seed: int | None = None,
+        expansion_seed: int | None = 0,
         style_images: list | None = None,
         style_strengths: list[float] | None = None,
         style_mode: str = "reference",
         style_moodboard: bool = False,
+        reference_attention: str = "joint",
+        style_resolution: int | None = DEFAULT_STYLE_RESOLUTION,
+        image_start: sampling.ImageStart | None = None,
     ):
         """Generate images.
 
@@ -221,14 +241,25 @@ class Krea2Pipeline(DiffusionPipeline):
             guidance_interval: (low, high): apply CFG only for t in [low, high] (t = 1 is noise).
             creativity: "raw" | "low" | "medium" | "high": expand the prompts first with the text
                 encoder's own LM (see :meth:`expand_prompt`); the text used is in ``output.expanded_prompts``.
-            expansion_seed: seed of the expansion (default 0).
+            expansion_seed: seed of the expansion (default 0: the same prompt expands the same way;
+                None samples a fresh one).
             style_images: up to 10 reference images (paths or PIL images) whose style steers the image.
             style_strengths: one strength >= 0 per image (default 1): an additive log(s) bias on the
                 attention to that reference's tokens; 0 removes it exactly.
             style_mode: "reference" (vision tokens + reference latents; use with a style-reference
                 LoRA) or "describe" (training-free: a cached VLM style description per image).
-            style_moodboard: read up to 32 ``style_images`` together as one direction with a single
-                strength (default 0.35) shared among them.
+            style_moodboard: read up to 32 ``style_images`` together as ONE reference: they are tiled
+                into one board image of the reference budget (constant cost), with one strength
+                (default 0.35) for the whole board.
+            reference_attention: "joint" (every token attends to every token, as the community
+                style-reference LoRA was trained) or "cached" (reference tokens attend only among
+                themselves, so their keys/values for every layer are computed once per generation).
+            style_resolution: side in pixels of the area ALL reference latents share (default 512:
+                512^2 px, 1024 tokens in total for any number of references); None encodes each
+                reference at the target's area (the community workflow; cost grows with the count).
+            image_start: where sampling starts instead of noise (set by ``Krea2Img2ImgPipeline`` and
+                ``Krea2InpaintPipeline``, or built directly from latents, see ``sampling.ImageStart``);
+                ``latents`` is then the noise mixed in.
         """
         preset = self.preset
         steps = preset.num_inference_steps if num_inference_steps is None and sigmas is None else num_inference_steps
@@ -247,6 +278,8 @@ class Krea2Pipeline(DiffusionPipeline):
         if bad_inputs:
             raise ValueError(f"callback_on_step_end_tensor_inputs must be among {self._callback_tensor_inputs}, got {sorted(bad_inputs)}")
         interval = sampling.check_guidance_interval(guidance_interval)
+        if reference_attention not in REFERENCE_ATTENTION:
+            raise ValueError(f"reference_attention must be one of {REFERENCE_ATTENTION}, got {reference_attention!r}")
         if style_mode not in STYLE_MODES:
             raise ValueError(f"style_mode must be one of {STYLE_MODES}, got {style_mode!r}")
         height, width = self._check_size(height, width)
@@ -266,7 +299,7 @@ class Krea2Pipeline(DiffusionPipeline):
         batch = len(prompts) if prompts is not None else prompt_embeds.shape[0]
         negatives = self._as_list(negative_prompt if negative_prompt is not None else "", "negative_prompt", batch) if do_cfg else None
         style = self._style_batch(prompts, negatives, style_images, style_strengths, style_mode, style_moodboard,
-                                  height, width, max_sequence_length, device)
+                                  height, width, max_sequence_length, device, style_resolution)
         if style is not None:
             embeds, mask = style.embeds[:batch], style.mask[:batch]
             neg = (style.embeds[batch:], style.mask[batch:]) if do_cfg else None
@@ -300,16 +333,28 @@ class Krea2Pipeline(DiffusionPipeline):
             rows = all_embeds.shape[0]
             if style.latents is not None:
                 positions = torch.cat([positions, style.positions.to(positions)])
-                reference = style.latents[:1].expand(rows, -1, -1)
+                reference = style.latents[:1]  # shared by every row (the transformer broadcasts it)
             bias = style.key_bias(grid_h * grid_w)
             key_bias = None if bias is None else bias[:1].expand(rows, -1)
         mu = sampling.schedule_mu(grid_h * grid_w, self.is_distilled)
-        times = sampling.sigma_schedule(steps, mu, sigmas).tolist()
+        times = sampling.sigma_schedule(steps, mu, sigmas)
+        if image_start is not None:  # img2img / inpainting: start on the image's noised latent
+            image_start = image_start.rows(batch, n)
+            if image_start.image_latents.shape[1:] != latents.shape[1:]:
+                raise ValueError(f"image latents have shape {tuple(image_start.image_latents.shape[1:])}, "
+                                 f"a {height}x{width} image needs {tuple(latents.shape[1:])}")
+            times = sampling.truncate_for_strength(times, image_start.strength)
+            noise, x0 = latents, image_start.image_latents.to(device=device, dtype=torch.float32)
+            repaint = None if image_start.repaint is None else image_start.repaint.to(device)
+            latents = sampling.noised(x0, noise, float(times[0]))
+        times = times.tolist()
+        steps = len(times) - 1
         self._num_timesteps = steps
 
         # 3. Everything that does not change across steps, once.
         conditioning = self.transformer.prepare_conditioning(
-            all_embeds.to(device), positions, all_mask.to(device), reference_hidden_states=reference, key_bias=key_bias
+            all_embeds.to(device), positions, all_mask.to(device), reference_hidden_states=reference, key_bias=key_bias,
+            reference_attention=reference_attention,
         )
         cond_only = conditioning.select(slice(0, total)) if do_cfg else conditioning
 
@@ -321,6 +366,8 @@ class Krea2Pipeline(DiffusionPipeline):
                 t, t_next = times[i], times[i + 1]
                 velocity = self._velocity(latents, t, conditioning, cond_only, guidance, interval, attention_kwargs, total)
                 latents = sampling.euler_step(latents, velocity, t, t_next)
+                if image_start is not None and repaint is not None:
+                    latents = sampling.keep_known(latents, x0, noise, repaint, t_next)
                 if callback_on_step_end is not None:
                     local = {"latents": latents, "prompt_embeds": embeds}
                     outputs = callback_on_step_end(self, i, torch.tensor(t * 1000.0), {k: local[k] for k in callback_on_step_end_tensor_inputs}) or {}
@@ -339,19 +386,21 @@ class Krea2Pipeline(DiffusionPipeline):
         return Krea2PipelineOutput(images=images, expanded_prompts=expanded)
 
     def _style_batch(self, prompts, negatives, style_images, style_strengths, mode, moodboard, height, width,
-                     max_sequence_length, device):
+                     max_sequence_length, device, style_resolution):
         """The style-referenced text (prompts then negatives) and reference inputs, or None."""
         from .descriptions import StyleDescriptionCache
         from .references import check_style_inputs, load_reference_images
-        from .style import prepare_style_batch
+        from .style import moodboard_image, moodboard_side, prepare_style_batch
 
-        # Checked before any model work; strengths come back one per image.
+        # Checked before any model work; strengths come back one per image (one for a moodboard).
         strengths = check_style_inputs(style_images, style_strengths, moodboard=moodboard)
         if not strengths:
             return None
         if prompts is None:
             raise ValueError("style_images need `prompt` text, not prompt_embeds")
         images = load_reference_images(style_images)
+        if moodboard:  # one board image: the same tokens (and cost) for any number of images
+            images = [moodboard_image(images, moodboard_side(height, width, style_resolution))]
         kept = [(image, s) for image, s in zip(images, strengths) if s > 0]
         if not kept:  # every reference at strength 0: exactly the plain generation
             return None
@@ -359,18 +408,32 @@ class Krea2Pipeline(DiffusionPipeline):
             self._style_cache = StyleDescriptionCache()
         return prepare_style_batch(self, prompts + (negatives or []), [i for i, _ in kept], [s for _, s in kept], mode=mode,
                                    height=height, width=width, max_sequence_length=max_sequence_length, device=device,
-                                   cache=self._style_cache)
+                                   cache=self._style_cache, style_resolution=style_resolution)
 
-    def expand_prompt(self, prompt, creativity: str = "medium", seed: int | None = None, max_new_tokens: int = 512, expander=None):
+    def expand_prompt(self, prompt, creativity: str = "medium", seed: int | None = 0, max_new_tokens: int = 512, expander=None):
         """Expand short prompts with the text encoder's own Qwen3-VL LM head (no extra weights), or
         with ``expander=(model, tokenizer)``. ``creativity="raw"`` returns the prompt unchanged.
         Returns a str for a str, a list for a list."""
         from .expander import expand_prompts
 
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        model, tokenizer = expander if expander is not None else (self.text_encoder, self.tokenizer)
+        model, tokenizer = expander if expander is not None else (self.language_model(), self.tokenizer)
         out = expand_prompts(model, tokenizer, prompts, creativity=creativity, seed=seed, max_new_tokens=max_new_tokens)
         return out[0] if isinstance(prompt, str) else out
+
+    def language_model(self):
+        """The text encoder with its LM head (prompt expansion, style descriptions). A bare
+        ``Qwen3VLModel`` gets the head wrapped around it once, sharing every weight (see
+        :func:`~krea2_diffusers.expander.with_lm_head`)."""
+        from .expander import with_lm_head
+
+        if self.text_encoder is None:
+            raise ValueError("the text encoder was released (memory.release_text_encoder); reload the pipeline to expand prompts")
+        cached = getattr(self, "_language_model", None)
+        if cached is None or cached[0] is not self.text_encoder:
+            folder = self.config.get("_name_or_path") if hasattr(self.config, "get") else None
+            cached = self._language_model = (self.text_encoder, with_lm_head(self.text_encoder, folder))
+        return cached[1]
 
     def _velocity(self, latents, t, conditioning, cond_only, guidance, interval, attention_kwargs, total):
         """The (guided) velocity (B, N, 64) at time t; one transformer pass when CFG is batched."""
@@ -405,7 +468,9 @@ class Krea2Pipeline(DiffusionPipeline):
 
     def enable_memory_preset(self, memory: str = "auto", device=None) -> str:
         """Fit the pipeline into a memory budget (``auto``, ``high``, ``24gb``, ``16gb``, ``12gb``,
-        ``8gb``): offload, fp8/NF4 storage, freeing the text encoder... Returns what was chosen."""
+        ``8gb``): model or group offload (the text encoder then waits on the CPU between prompts, it
+        is never dropped), fp8/NF4 storage. Returns what was chosen, the text encoder's place
+        included. To drop the text encoder after encoding prompts, see ``memory.release_text_encoder``."""
         from .memory import apply_memory_preset
 
         return apply_memory_preset(self, memory, device=device)

@@ -39,9 +39,10 @@ logger = logging.getLogger(__name__)
 # Krea's hosted API takes up to 10 image style references, each with its own strength.
 MAX_STYLE_REFERENCES = 10
 DEFAULT_STYLE_STRENGTH = 1.0
-# A moodboard is many images read together as ONE direction. Its strength is the board's total weight,
-# shared equally by its images (so a 20-image board at 0.35 pulls as hard as 0.35 of one reference);
-# 0.35 is the hosted API's moodboard default. The cap bounds the extra tokens (and memory) per step.
+# A moodboard is many images read together as ONE direction: they are tiled into one board image of
+# one reference's budget (``style.moodboard_image``), weighted by one strength, so a 20-image board at
+# 0.35 pulls like one reference at 0.35 and costs the same as a 2-image board; 0.35 is the hosted
+# API's moodboard default. The cap keeps every image's cell on the board at least ~85 px at 512.
 MAX_MOODBOARD_IMAGES = 32
 DEFAULT_MOODBOARD_STRENGTH = 0.35
 
@@ -103,44 +104,56 @@ def to_rgb(image: PIL.Image.Image) -> PIL.Image.Image:
     return image.convert("RGB")
 
 
-def load_reference_images(images) -> list[PIL.Image.Image]:
-    """Load reference images as RGB PIL images.
+def to_gray(image: PIL.Image.Image, what: str = "mask") -> PIL.Image.Image:
+    """A single-channel (L) copy of ``image``; other modes are converted (luminance) with a warning."""
+    if image.mode == "L":
+        return image
+    if image.mode not in ("1", "I", "I;16", "F"):
+        logger.warning("%s has %d channels (%s); converting it to one channel (luminance)", what, len(image.getbands()), image.mode)
+    return image.convert("L")
+
+
+def load_reference_images(images, what: str = "style image", gray: bool = False) -> list[PIL.Image.Image]:
+    """Load images as RGB (or, with ``gray``, single-channel L) PIL images.
 
     Args:
         images: one item or a list of items, each a file path, a PIL image, a numpy array or a torch
             tensor ((H, W), (H, W, C), (C, H, W), or a batch (B, ...) that yields B images; uint8 or
             float in [0, 1]; ComfyUI IMAGE tensors (B, H, W, C) work as they are).
+        what: how errors and warnings name the images ("style image", "mask_image" ...).
     Raises:
         ValueError: an unreadable / missing file (naming it) or an unusable array.
     """
     if images is None:
         return []
+    convert = (lambda image: to_gray(image, what)) if gray else to_rgb
     items = [images] if isinstance(images, (str, os.PathLike, PIL.Image.Image, np.ndarray, torch.Tensor)) else list(images)
     loaded: list[PIL.Image.Image] = []
     for index, item in enumerate(items):
-        name = f"style image {index}"
+        name = f"{what} {index}"
         if isinstance(item, (str, os.PathLike)):
             path = Path(item)
             try:
                 with PIL.Image.open(path) as opened:
                     opened.load()  # read now: a truncated file must fail here, not later inside the model
-                    loaded.append(to_rgb(opened).copy())
+                    loaded.append(convert(opened).copy())
             except FileNotFoundError:
-                raise ValueError(f"cannot read style image {str(path)!r}: no such file") from None
+                raise ValueError(f"cannot read {what} {str(path)!r}: no such file") from None
             except (OSError, PIL.UnidentifiedImageError, PIL.Image.DecompressionBombError, ValueError) as err:
-                raise ValueError(f"cannot read style image {str(path)!r}: {err}") from None
+                raise ValueError(f"cannot read {what} {str(path)!r}: {err}") from None
         elif isinstance(item, PIL.Image.Image):
-            loaded.append(to_rgb(item))
+            loaded.append(convert(item))
         elif isinstance(item, torch.Tensor):
             tensor = item.detach().cpu()
-            loaded.extend(_array_to_image((tensor.float() if tensor.is_floating_point() else tensor).numpy(), name))
+            array = (tensor.float() if tensor.is_floating_point() else tensor).numpy()
+            loaded.extend(convert(image) for image in _array_to_image(array, name))
         elif isinstance(item, np.ndarray):
-            loaded.extend(_array_to_image(item, name))
+            loaded.extend(convert(image) for image in _array_to_image(item, name))
         else:
             raise ValueError(f"{name}: expected a path, PIL image, numpy array or torch tensor, got {type(item).__name__}")
     for index, image in enumerate(loaded):
         if image.width < 1 or image.height < 1:
-            raise ValueError(f"style image {index} is empty ({image.width}x{image.height})")
+            raise ValueError(f"{what} {index} is empty ({image.width}x{image.height})")
     return loaded
 
 
@@ -180,15 +193,17 @@ def check_style_inputs(style_images, style_strengths=None, max_references: int =
         style_strengths: per-image strengths >= 0 (None: 1.0 each; a single number applies to all).
             s = 1 is the unweighted mechanism, s = 0 removes the reference exactly.
         max_references: cap on the number of separate references (default 10, as Krea's API).
-        moodboard: read the images together as ONE direction instead: up to
+        moodboard: read the images together as ONE reference instead: 1 to
             :data:`MAX_MOODBOARD_IMAGES` images, ``style_strengths`` is None (0.35) or one number for the
-            whole board, and each image gets ``strength / n`` so the board weighs like one reference.
+            whole board; the returned list then holds that one strength.
 
     Raises:
         ValueError: strengths without images, more or fewer strengths than images, a negative or
             non-finite strength, or too many images.
     """
     count = _count_images(style_images)
+    if moodboard and count == 0:
+        raise ValueError(f"a moodboard takes 1 to {MAX_MOODBOARD_IMAGES} images, got none")
     if count == 0:
         if style_strengths is not None and not (isinstance(style_strengths, (list, tuple)) and not style_strengths):
             raise ValueError("style_strengths given without style_images")
@@ -200,8 +215,7 @@ def check_style_inputs(style_images, style_strengths=None, max_references: int =
             if len(style_strengths) != 1:
                 raise ValueError(f"a moodboard has one strength for the whole board, got {len(style_strengths)} strengths")
             style_strengths = style_strengths[0]
-        total = DEFAULT_MOODBOARD_STRENGTH if style_strengths is None else _check_strength(style_strengths, "moodboard strength")
-        return [total / count] * count
+        return [DEFAULT_MOODBOARD_STRENGTH if style_strengths is None else _check_strength(style_strengths, "moodboard strength")]
     if isinstance(max_references, bool) or not isinstance(max_references, int) or max_references < 1:
         raise ValueError(f"max_references must be a positive integer, got {max_references!r}")
     if count > max_references:

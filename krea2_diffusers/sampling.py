@@ -8,6 +8,7 @@ equals ``s - 1`` for the standard ``v_uncond + s (v_cond - v_uncond)`` scale use
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -91,3 +92,71 @@ def check_guidance_interval(interval) -> tuple[float, float] | None:
     if not 0.0 <= low <= high <= 1.0:
         raise ValueError(f"guidance_interval must satisfy 0 <= low <= high <= 1, got {interval!r}")
     return low, high
+
+
+# ---------------------------------------------------------------------------- image-to-image
+def check_strength(strength) -> float:
+    """img2img / inpainting strength: a number in [0, 1] (0 = the input image, 1 = pure noise)."""
+    if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength):
+        raise ValueError(f"strength must be a number in [0, 1], got {strength!r}")
+    if not 0.0 <= float(strength) <= 1.0:
+        raise ValueError(f"strength must lie in [0, 1] (0 returns the input image, 1 ignores it), got {strength!r}")
+    return float(strength)
+
+
+def truncate_for_strength(times: torch.Tensor, strength: float) -> torch.Tensor:
+    """The tail of a shifted grid that img2img runs, diffusers' rule: of N steps the last
+    ``int(N * strength)`` run (strength 1: all, strength 0: none).
+
+    Args:
+        times: (N + 1,) shifted time points from :func:`sigma_schedule`, 1 -> 0.
+    Returns:
+        (M + 1,) the points from the start time ``times[N - M]`` down to 0.
+    """
+    steps = len(times) - 1
+    start = int(max(steps - min(steps * strength, steps), 0))
+    return times[start:]
+
+
+def noised(x0: torch.Tensor, noise: torch.Tensor, t: float) -> torch.Tensor:
+    """The flow's point at time t: ``(1 - t) x0 + t noise``, in float32 at least (t = 1 gives the noise exactly)."""
+    dtype = torch.promote_types(x0.dtype, torch.float32)
+    return ((1.0 - t) * x0.to(dtype) + t * noise.to(dtype)).to(x0.dtype)
+
+
+def keep_known(latents: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, repaint: torch.Tensor, t: float) -> torch.Tensor:
+    """Inpainting: outside the ``repaint`` mask put back the known image's point at time t
+    (at t = 0: exactly ``x0``). ``repaint`` is bool and broadcasts against ``latents``."""
+    return torch.where(repaint, latents, noised(x0, noise, t))
+
+
+@dataclass
+class ImageStart:
+    """Where image-to-image sampling starts instead of pure noise.
+
+    Attributes:
+        image_latents: (K, N, 64) packed model latents x0 of the input image(s) (normalised, as
+            ``latents.encode_images`` returns them; the posterior mode for an encoded image); K is 1
+            (shared by the batch) or one per prompt.
+        strength: in [0, 1]: how much of the schedule runs (see :func:`truncate_for_strength`).
+        repaint: (K, N, 64) bool, True where inpainting repaints; None for plain img2img.
+    """
+
+    image_latents: torch.Tensor
+    strength: float
+    repaint: torch.Tensor | None = None
+
+    def __post_init__(self):
+        self.strength = check_strength(self.strength)
+        if self.image_latents.ndim != 3:
+            raise ValueError(f"image_latents must be packed (K, N, 64), got shape {tuple(self.image_latents.shape)}")
+        if self.repaint is not None and self.repaint.shape != self.image_latents.shape:
+            raise ValueError(f"repaint mask has shape {tuple(self.repaint.shape)}, image latents {tuple(self.image_latents.shape)}")
+
+    def rows(self, batch: int, per_prompt: int) -> "ImageStart":
+        """Expanded to ``batch * per_prompt`` rows (one image for all, or one per prompt)."""
+        count = self.image_latents.shape[0]
+        if count not in (1, batch):
+            raise ValueError(f"got {count} input images for {batch} prompts; pass one image, or one per prompt")
+        grow = (lambda x: x.expand(batch * per_prompt, -1, -1)) if count == 1 else (lambda x: x.repeat_interleave(per_prompt, 0))
+        return ImageStart(grow(self.image_latents), self.strength, None if self.repaint is None else grow(self.repaint))

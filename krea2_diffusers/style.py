@@ -21,9 +21,12 @@ from dataclasses import dataclass, field
 import torch
 
 from .conditioning import encode_prompts, pad_conditioning
-from .latents import encode_images, pack_latents, position_ids, round_to_multiple, PIXELS_PER_TOKEN
+from .latents import encode_images, pack_latents, position_ids, PIXELS_PER_TOKEN
+from .references import REFERENCE_MAX_PIXELS, REFERENCE_MIN_PIXELS
 
 STYLE_MODES = ("reference", "describe")
+# Side in pixels of the area all reference latents of a generation share (512^2 px = 1024 tokens).
+DEFAULT_STYLE_RESOLUTION = 512
 
 
 @dataclass
@@ -64,19 +67,70 @@ class StyleBatch:
         return bias
 
 
-def reference_size(image, height: int, width: int) -> tuple[int, int]:
-    """A reference's encoding size: the target's pixel area, the reference's aspect, multiples of 16."""
-    scale = math.sqrt(height * width / (image.width * image.height))
-    return round_to_multiple(max(PIXELS_PER_TOKEN, image.height * scale)), round_to_multiple(max(PIXELS_PER_TOKEN, image.width * scale))
+def reference_area(height: int, width: int, count: int, style_resolution: int | None) -> float:
+    """Pixel area each of ``count`` references is encoded at.
+
+    ``style_resolution`` None: the target's area each (the community workflow: R grows with the
+    count). Otherwise all references SHARE ``min(target area, style_resolution^2)``, so the
+    reference tokens of one generation never exceed one bounded budget (1024 tokens at 512).
+    """
+    if style_resolution is None:
+        return float(height * width)
+    if isinstance(style_resolution, bool) or not isinstance(style_resolution, int) or style_resolution < PIXELS_PER_TOKEN:
+        raise ValueError(f"style_resolution must be None or an integer >= {PIXELS_PER_TOKEN} (pixels), got {style_resolution!r}")
+    return min(height * width, style_resolution**2) / count
 
 
-def encode_reference_latents(vae, images, height: int, width: int, device) -> tuple[torch.Tensor, list[tuple[int, int]], torch.Tensor]:
-    """VAE-encode references: packed latents (1, R, 64), per-reference ranges, positions (R, 3) at (k, i, j)."""
+def reference_size(image, area: float) -> tuple[int, int]:
+    """(height, width) of a reference encoded at about ``area`` pixels: its own aspect, multiples of
+    16 rounded down (at least one token), so the budget is never exceeded."""
+    scale = math.sqrt(area / (image.width * image.height))
+    side = lambda pixels: max(PIXELS_PER_TOKEN, int(pixels * scale) // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN)
+    return side(image.height), side(image.width)
+
+
+def vision_pixels(count: int, style_resolution: int | None) -> int:
+    """Pixels each reference gets in the VLM: 384^2 each, or 384^2 shared when the budget is bounded."""
+    if style_resolution is None:
+        return REFERENCE_MAX_PIXELS
+    return max(REFERENCE_MIN_PIXELS, REFERENCE_MAX_PIXELS // count)
+
+
+def moodboard_image(images, side: int):
+    """A moodboard as ONE reference: the images tiled into a ``side`` x ``side`` board.
+
+    Grid of ``ceil(sqrt(n))`` columns and as many rows as needed; every image is scaled to cover its
+    cell and centre-cropped (no distortion); unused cells stay white. The board's size does not
+    depend on n, so a moodboard of 2 or of 32 images costs the same.
+    """
+    import PIL.Image
+    import PIL.ImageOps
+
+    columns = math.ceil(math.sqrt(len(images)))
+    rows = math.ceil(len(images) / columns)
+    board = PIL.Image.new("RGB", (side, side), (255, 255, 255))
+    for index, image in enumerate(images):
+        row, column = divmod(index, columns)
+        left, top = column * side // columns, row * side // rows
+        right, bottom = (column + 1) * side // columns, (row + 1) * side // rows
+        board.paste(PIL.ImageOps.fit(image.convert("RGB"), (right - left, bottom - top)), (left, top))
+    return board
+
+
+def moodboard_side(height: int, width: int, style_resolution: int | None) -> int:
+    """The board's side: the reference budget's (or the target's area when unbounded), multiple of 16."""
+    area = reference_area(height, width, 1, style_resolution)
+    return max(PIXELS_PER_TOKEN, int(math.sqrt(area)) // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN)
+
+
+def encode_reference_latents(vae, images, area: float, device) -> tuple[torch.Tensor, list[tuple[int, int]], torch.Tensor]:
+    """VAE-encode references at ``area`` pixels each: packed latents (1, R, 64), per-reference
+    ranges in R, positions (R, 3) at (k, i, j)."""
     import numpy as np
 
     packed, groups, positions, start = [], [], [], 0
     for k, image in enumerate(images, start=1):
-        h, w = reference_size(image, height, width)
+        h, w = reference_size(image, area)
         pixels = torch.from_numpy(np.asarray(image.convert("RGB").resize((w, h)), dtype=np.float32) / 255.0)
         latents = encode_images(vae, pixels.permute(2, 0, 1)[None].to(device))
         tokens = pack_latents(latents.float())
@@ -87,14 +141,15 @@ def encode_reference_latents(vae, images, height: int, width: int, device) -> tu
     return torch.cat(packed, 1), groups, torch.cat(positions)
 
 
-def _reference_text(pipe, texts, images, max_sequence_length, device):
+def _reference_text(pipe, texts, images, max_sequence_length, device, max_pixels):
     """Every text encoded with the images as vision tokens; groups are the same for every row."""
     from .references import encode_prompt_with_images
 
     embeds, masks, groups = [], [], None
     for text in texts:
         e, m, g = encode_prompt_with_images(pipe.text_encoder, pipe.tokenizer, text, images,
-                                            layers=pipe.config.text_encoder_select_layers, max_sequence_length=max_sequence_length)
+                                            layers=pipe.config.text_encoder_select_layers, max_sequence_length=max_sequence_length,
+                                            max_pixels=max_pixels)
         embeds.append(e.to(device))
         masks.append(m.to(device))
         groups = [[tuple(r)] for r in g]
@@ -104,7 +159,7 @@ def _reference_text(pipe, texts, images, max_sequence_length, device):
 
 def _described_text(pipe, texts, images, max_sequence_length, device, cache, seed):
     """[prompt | description 1 | description 2 ...] token groups, the same offsets in every row."""
-    descriptions = [cache.describe(pipe.text_encoder, pipe.tokenizer, image, seed=seed) for image in images]
+    descriptions = [cache.describe(pipe.language_model(), pipe.tokenizer, image, seed=seed) for image in images]
     layers = pipe.config.text_encoder_select_layers
     embeds, mask = encode_prompts(pipe.text_encoder, pipe.tokenizer, list(texts), layers=layers, max_sequence_length=max_sequence_length, device=device)
     parts, masks, groups = [embeds], [mask], []
@@ -119,16 +174,20 @@ def _described_text(pipe, texts, images, max_sequence_length, device, cache, see
 
 
 def prepare_style_batch(pipe, texts: list[str], images, strengths: list[float], *, mode: str, height: int, width: int,
-                        max_sequence_length: int, device, cache=None, seed: int = 0) -> StyleBatch:
+                        max_sequence_length: int, device, cache=None, seed: int = 0,
+                        style_resolution: int | None = DEFAULT_STYLE_RESOLUTION) -> StyleBatch:
     """Conditioning for ``texts`` (all rows: prompts then negatives) with the given references.
 
-    References of strength 0 must already be removed by the caller.
+    References of strength 0 must already be removed by the caller. ``style_resolution`` bounds
+    the reference latents (:func:`reference_area`) and shares the VLM's pixels (:func:`vision_pixels`).
     """
     if mode not in STYLE_MODES:
         raise ValueError(f"style_mode must be one of {STYLE_MODES}, got {mode!r}")
     if mode == "reference":
-        embeds, mask, groups = _reference_text(pipe, texts, images, max_sequence_length, device)
-        latents, latent_groups, positions = encode_reference_latents(pipe.vae, images, height, width, device)
+        area = reference_area(height, width, len(images), style_resolution)
+        embeds, mask, groups = _reference_text(pipe, texts, images, max_sequence_length, device,
+                                               vision_pixels(len(images), style_resolution))
+        latents, latent_groups, positions = encode_reference_latents(pipe.vae, images, area, device)
         return StyleBatch(embeds, mask, strengths, groups, latents.expand(len(texts), -1, -1), latent_groups, positions)
     embeds, mask, groups, _ = _described_text(pipe, texts, images, max_sequence_length, device, cache, seed)
     return StyleBatch(embeds, mask, strengths, groups)

@@ -7,7 +7,10 @@ it proves plumbing, not quality.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported on use: `is_tiny` / `TINY_LABEL` serve the CLI's fast paths
+    import torch
 
 TINY_RANDOM = "tiny-random"
 TINY_LABEL = "tiny-random (RANDOM WEIGHTS — output is meaningless, for testing only)"
@@ -50,14 +53,17 @@ def tiny_vae_config() -> dict:
 def randomize_(module: torch.nn.Module, generator: torch.Generator, std: float = 0.1) -> None:
     """Give every zero-initialised parameter (norm scales, modulation tables) random values too,
     so that tests exercise them; weight matrices keep their default init."""
+    import torch
+
     with torch.no_grad():
         for param in module.parameters():
             if param.ndim < 2 or bool((param == 0).all()):
                 param.add_(torch.randn(param.shape, generator=generator) * std)
 
 
-def tiny_components(seed: int = 0, torch_dtype: torch.dtype = torch.float32) -> dict:
-    """The pipeline's components at toy size, deterministic for a seed."""
+def tiny_components(seed: int = 0, torch_dtype: "torch.dtype | None" = None) -> dict:
+    """The pipeline's components at toy size (float32 unless ``torch_dtype``), deterministic for a seed."""
+    import torch
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
     from transformers import Qwen3VLForConditionalGeneration
 
@@ -71,7 +77,7 @@ def tiny_components(seed: int = 0, torch_dtype: torch.dtype = torch.float32) -> 
     vae = AutoencoderKLQwenImage(**tiny_vae_config())
     for module in (transformer, text_encoder, vae):
         randomize_(module, generator)
-        if torch_dtype != torch.float32:
+        if torch_dtype not in (None, torch.float32):
             module.to(torch_dtype)
         module.eval()
     return dict(

@@ -24,6 +24,7 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.modeling_utils import ModelMixin
 from diffusers.utils import apply_lora_scale
 
+from .presets import REFERENCE_ATTENTION
 from .layers import Attention, PlainBlock, RMSNorm, SwiGLU, TimestepEmbedding, rope_tables
 
 _COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -39,8 +40,11 @@ class Krea2Conditioning:
             keys, (B, L + N + R).
         rope: (cos, sin), each (1, L + N + R, 1, head_dim) float32.
         text_len: L.
-        reference: (B, R, D) projected clean reference tokens (style references), or None.
-        reference_modulation: (B, 1, 6, D) shared modulation of timestep 0 for the reference tokens.
+        reference: (B|1, R, D) projected clean reference tokens (style references, joint attention), or None.
+        reference_modulation: (B|1, 1, 6, D) shared modulation of timestep 0 for the reference tokens.
+        reference_kv: cached attention: per layer the reference tokens' rotated (key, value), each
+            (B|1, R, H_kv, hd), computed once; the step's tokens attend to them as extra keys
+            (``attention_bias`` then covers L + N + R keys while ``rope`` covers L + N).
     """
 
     text: torch.Tensor
@@ -49,9 +53,11 @@ class Krea2Conditioning:
     text_len: int
     reference: torch.Tensor | None = None
     reference_modulation: torch.Tensor | None = None
+    reference_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def reference_len(self) -> int:
+        """Reference tokens inside the step's sequence (0 when cached: they are keys only)."""
         return 0 if self.reference is None else self.reference.shape[1]
 
     @property
@@ -60,9 +66,12 @@ class Krea2Conditioning:
 
     def select(self, index: slice | torch.Tensor) -> "Krea2Conditioning":
         """The conditioning of a subset of the batch (e.g. only the conditional CFG branch)."""
-        pick = lambda x: None if x is None else x[index]
-        return replace(self, text=self.text[index], attention_bias=pick(self.attention_bias),
-                       reference=pick(self.reference), reference_modulation=pick(self.reference_modulation))
+        batch = self.batch_size
+        # Reference tensors shared by every row (batch 1) stay as they are.
+        pick = lambda x: x if x is None or (x.shape[0] == 1 and batch != 1) else x[index]
+        kv = None if self.reference_kv is None else [(pick(k), pick(v)) for k, v in self.reference_kv]
+        return replace(self, text=self.text[index], attention_bias=pick(self.attention_bias), reference=pick(self.reference),
+                       reference_modulation=pick(self.reference_modulation), reference_kv=kv)
 
 
 def _modulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -89,11 +98,15 @@ class Krea2Block(nn.Module):
         attention_bias: torch.Tensor | None,
         reference_modulation: torch.Tensor | None = None,
         reference_len: int = 0,
+        reference_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        kv_sink: list | None = None,
     ) -> torch.Tensor:
         """hidden_states (B, S, D); time_modulation (B, 1, 6, D) shared by all blocks.
 
         With ``reference_modulation``, the last ``reference_len`` tokens (clean style references)
-        are modulated with it (timestep 0) instead of ``time_modulation``.
+        are modulated with it (timestep 0) instead of ``time_modulation``. ``reference_kv``: cached
+        reference keys/values appended to the attention's keys; ``kv_sink`` receives this block's
+        own (key, value) (see :class:`~krea2_diffusers.layers.Attention`).
         """
         table = self.scale_shift_table.to(time_modulation.dtype)
         mods = [(time_modulation + table).to(hidden_states.dtype).unbind(2)]
@@ -113,7 +126,8 @@ class Krea2Block(nn.Module):
             return torch.cat([m[gate] * part for m, part in zip(mods, x.split(lengths, 1))], 1)
 
         # modulation rows: prescale, preshift, pregate, postscale, postshift, postgate
-        hidden_states = hidden_states + gated(self.attn(modulate(self.norm1(hidden_states), 0, 1), attention_bias, rope), 2)
+        attended = self.attn(modulate(self.norm1(hidden_states), 0, 1), attention_bias, rope, reference_kv, kv_sink)
+        hidden_states = hidden_states + gated(attended, 2)
         return hidden_states + gated(self.ff(modulate(self.norm2(hidden_states), 3, 4)), 5)
 
 
@@ -265,6 +279,7 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         *,
         reference_hidden_states: torch.Tensor | None = None,
         key_bias: torch.Tensor | None = None,
+        reference_attention: str = "joint",
     ) -> Krea2Conditioning:
         """Run the timestep-independent part of the forward once.
 
@@ -272,14 +287,21 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
             encoder_hidden_states: (B, L, num_text_layers, text_hidden_dim) tapped encoder states.
             position_ids: (L + N + R, 3) (t, h, w) RoPE coordinates of [text, image, references].
             encoder_attention_mask: (B, L) bool, True for real text tokens; None when all are real.
-            reference_hidden_states: (B, R, in_channels) packed clean latents of style references,
-                modulated as timestep 0 and appended after the image tokens.
+            reference_hidden_states: (B|1, R, in_channels) packed clean latents of style references,
+                modulated as timestep 0 and placed after the image tokens (batch 1: shared by all rows).
             key_bias: (B, L + N + R) float additive bias on attention logits per key (e.g. log of a
                 reference's strength), applied in every attention layer; its first L entries also in
                 the text-fusion refiner.
+            reference_attention: "joint": the references join the step's sequence and attend to
+                every token. "cached": they attend only among themselves (with their part of
+                ``key_bias``), so they are run through the blocks here, once, and every step's
+                text and image tokens attend to their stored keys/values. Equal to a joint pass whose
+                mask keeps reference queries on reference keys.
         """
         if position_ids.ndim != 2 or position_ids.shape[-1] != 3:
             raise ValueError(f"position_ids must have shape (sequence_length, 3), got {tuple(position_ids.shape)}")
+        if reference_attention not in REFERENCE_ATTENTION:
+            raise ValueError(f"reference_attention must be one of {REFERENCE_ATTENTION}, got {reference_attention!r}")
         batch, text_len = encoder_hidden_states.shape[:2]
         mask = None
         if encoder_attention_mask is not None:
@@ -299,14 +321,36 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         text_bias = None if key_bias is None else bias[:, :text_len]
         text = self.txt_in(self.text_fusion(encoder_hidden_states.to(self.compute_dtype), mask, text_bias))
         cos, sin = rope_tables(position_ids.to(device), self.config.axes_dims_rope, self.config.rope_theta)
-        reference = reference_modulation = None
+        rope = (cos[None, :, None], sin[None, :, None])
+        reference = reference_modulation = reference_kv = None
         if reference_hidden_states is not None and reference_hidden_states.shape[1]:
             dtype = self.compute_dtype
+            if reference_hidden_states.shape[0] not in (1, batch):
+                raise ValueError(f"reference_hidden_states has batch {reference_hidden_states.shape[0]}, expected 1 or {batch}")
             reference = self.img_in(reference_hidden_states.to(device=device, dtype=dtype))
-            zero = torch.zeros(batch, device=device)
+            zero = torch.zeros(reference.shape[0], device=device)
             reference_modulation = self._time_modulation(zero, dtype)[1]
-        return Krea2Conditioning(text=text, attention_bias=bias, rope=(cos[None, :, None], sin[None, :, None]),
-                                 text_len=text_len, reference=reference, reference_modulation=reference_modulation)
+            if reference_attention == "cached":
+                reference_kv, rope = self._cache_references(reference, reference_modulation, rope, key_bias)
+                reference = reference_modulation = None
+        return Krea2Conditioning(text=text, attention_bias=bias, rope=rope, text_len=text_len, reference=reference,
+                                 reference_modulation=reference_modulation, reference_kv=reference_kv)
+
+    def _cache_references(self, reference, modulation, rope, key_bias):
+        """Run the reference tokens (B|1, R, D) alone through every block (timestep-0 modulation,
+        attending among themselves with their part of ``key_bias``) and keep each layer's rotated
+        keys/values. Returns that list and the rope tables of the other tokens."""
+        length = reference.shape[1]
+        cos, sin = rope
+        bias = None if key_bias is None else key_bias[:, -length:]
+        if bias is not None and reference.shape[0] == 1:
+            bias = bias[:1]  # the rows differ only in their text padding
+        hidden, cache = reference, []
+        for block in self.transformer_blocks:
+            sink: list = []
+            hidden = block(hidden, modulation, (cos[:, -length:], sin[:, -length:]), bias, kv_sink=sink)
+            cache.append(sink[0])
+        return cache, (cos[:, :-length], sin[:, :-length])
 
     def _time_modulation(self, timestep: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(B,) t -> temb (B, D) and the shared block modulation (B, 1, 6, D)."""
@@ -355,15 +399,16 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         temb, time_modulation = self._time_modulation(timestep, dtype)
         parts = [conditioning.text.to(dtype), self.img_in(hidden_states.to(dtype))]
         if conditioning.reference is not None:
-            parts.append(conditioning.reference.to(dtype))
+            parts.append(conditioning.reference.to(dtype).expand(batch, -1, -1))
         tokens = torch.cat(parts, dim=1)
         block_args = (time_modulation, conditioning.rope, conditioning.attention_bias,
                       conditioning.reference_modulation, conditioning.reference_len)
-        for block in self.transformer_blocks:
+        cached = conditioning.reference_kv or [None] * len(self.transformer_blocks)
+        for block, reference_kv in zip(self.transformer_blocks, cached):
             if torch.is_grad_enabled() and self.gradient_checkpointing:
-                tokens = self._gradient_checkpointing_func(block, tokens, *block_args)
+                tokens = self._gradient_checkpointing_func(block, tokens, *block_args, reference_kv)
             else:
-                tokens = block(tokens, *block_args)
+                tokens = block(tokens, *block_args, reference_kv)
 
         image_end = conditioning.text_len + hidden_states.shape[1]
         output = self.final_layer(tokens[:, conditioning.text_len:image_end], temb)

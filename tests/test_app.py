@@ -1,4 +1,4 @@
-"""The Gradio demo: its logic (krea2_diffusers.demo), its /generate API through gradio_client, and a
+"""The Gradio demo: its logic (app.Demo, krea2_diffusers.limits), its /generate API through gradio_client, and a
 real browser (Debian chromium driven by Playwright) generating an image on tiny-random.
 
 The server is ``python app.py --model tiny-random`` on 127.0.0.1, as a user would start it.
@@ -18,10 +18,13 @@ import pytest
 from PIL import Image
 
 from krea2_diffusers import Krea2Pipeline
-from krea2_diffusers.demo import MAX_SEED, Demo, InputError, Limits, Request, check, parse_lora
+from krea2_diffusers.limits import MAX_SEED, InputError, Limits, Request, check
 from krea2_diffusers.metadata import read_settings
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # app.py sits at the top level, next to the package
+from app import Demo, parse_lora  # noqa: E402  (the demo's loading and generation live with its UI)
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -208,3 +211,10 @@ def test_browser_generates_an_image(app_url, tmp_path):
             assert "RANDOM WEIGHTS" in page.content()
         finally:
             browser.close()
+
+
+def test_demo_logic_lives_with_the_app_not_in_the_library():
+    import importlib.util
+
+    assert importlib.util.find_spec("krea2_diffusers.demo") is None
+    assert Demo.__module__ == "app" and Request.__module__ == "krea2_diffusers.limits"

@@ -133,3 +133,19 @@ def test_community_lora_file_applies_on_gguf_model(q8_model):
     b = state["diffusion_model.blocks.1.mlp.down.lora_B.weight"]
     with torch.no_grad():
         torch.testing.assert_close(wrapped(x), base_out + x @ a.T @ b.T, rtol=1e-4, atol=1e-5)
+
+
+def test_dequantizes_on_the_inputs_device(monkeypatch):
+    """Packed bytes kept on the CPU (offload) travel to the input's device and are expanded there
+    (on CUDA in real use; ``meta`` stands in for it here), never expanded on the CPU per call."""
+    from krea2_diffusers.gguf import packed as packed_module
+
+    layer, _, _ = packed_layer(Q.Q8_0)
+    seen = []
+    real = packed_module.dequantize
+    monkeypatch.setattr(packed_module, "dequantize", lambda raw, *a: seen.append(raw.device) or real(raw, *a))
+    layer(torch.randn(2, 256))
+    assert seen == [torch.device("cpu")] and layer.packed_on(torch.device("cpu")) is layer.weight  # CPU path unchanged
+    out = layer(torch.randn(2, 256, device="meta"))
+    assert seen[-1] == torch.device("meta") and out.device == torch.device("meta")
+    assert layer.weight.device == torch.device("cpu")  # the stored bytes stay where they were

@@ -93,10 +93,10 @@ def test_too_many_references_and_moodboards():
     with pytest.raises(ValueError, match=f"at most {MAX_STYLE_REFERENCES}"):
         check_style_inputs(many, None)
     assert len(check_style_inputs(many, None, max_references=len(many))) == len(many)
-    # A moodboard is one direction: its strength is shared equally by its images.
+    # A moodboard is one reference (one board image) with one strength for the whole board.
     board = [f"m{i}.png" for i in range(20)]
-    assert check_style_inputs(board, None, moodboard=True) == pytest.approx([DEFAULT_MOODBOARD_STRENGTH / 20] * 20)
-    assert check_style_inputs(board, 0.8, moodboard=True) == pytest.approx([0.04] * 20)
+    assert check_style_inputs(board, None, moodboard=True) == [DEFAULT_MOODBOARD_STRENGTH]
+    assert check_style_inputs(board, 0.8, moodboard=True) == [0.8]
     with pytest.raises(ValueError, match="one strength for the whole board"):
         check_style_inputs(board[:2], [0.3, 0.4], moodboard=True)
     with pytest.raises(ValueError, match=f"at most {MAX_MOODBOARD_IMAGES}"):

@@ -5,11 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
-from ..convert import convert_diffusers_to_original
-from ..files import atomic_write_dir, save_safetensors
-
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="convert a transformer between the original and diffusers layouts")
@@ -22,6 +17,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    import torch
+
+    from ..convert import convert_diffusers_to_original
+    from ..files import atomic_write_dir, save_safetensors
     from ..transformer import Krea2Transformer2DModel
 
     src, dst = Path(args.input), Path(args.output)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..expander import CREATIVITY_LEVELS, DEFAULT_CREATIVITY, DEFAULT_MAX_NEW_TOKENS, expand_prompts, load_expander
+from ..expander import (
+    CREATIVITY_LEVELS, DEFAULT_CREATIVITY, DEFAULT_EXPANSION_SEED, DEFAULT_MAX_NEW_TOKENS, expand_prompts, load_expander,
+)
 from ..tiny import TINY_LABEL, is_tiny
 
 # What single-file transformer checkpoints are paired with (see Krea2Pipeline.from_single_file).
@@ -23,7 +25,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--expander", default=None, help="any causal LM (hub id or folder) to use instead of the text encoder")
     p.add_argument("--creativity", choices=CREATIVITY_LEVELS, default=DEFAULT_CREATIVITY,
                    help="raw = as written; low / medium / high expand increasingly freely")
-    p.add_argument("--seed", type=int, default=None, help="same seed, same expansion (default: a fresh one)")
+    p.add_argument("--seed", type=int, default=DEFAULT_EXPANSION_SEED, help="same seed, same expansion (default 0)")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     return p

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
+from ..presets import MEMORY_PRESETS, REFERENCE_ATTENTION
 
-from ..memory import MEMORY_PRESETS
-from ..metadata import save_png
+# Text-to-image size when no --init-image gives one.
+DEFAULT_SIZE = 1024
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -24,8 +24,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--guidance", type=float, default=None,
                    help="CFG in Krea's convention (0 = off; ComfyUI's cfg = this + 1). Default: 3.5 RAW, 0 Turbo")
     p.add_argument("--seed", type=int, default=0, help="image i of the batch uses seed + i")
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--height", type=int, default=1024)
+    p.add_argument("--width", type=int, default=None, help=f"default {DEFAULT_SIZE}, or the --init-image's width")
+    p.add_argument("--height", type=int, default=None, help=f"default {DEFAULT_SIZE}, or the --init-image's height")
+    p.add_argument("--init-image", default=None, metavar="PATH", help="image-to-image: start from this image")
+    p.add_argument("--strength", type=float, default=0.6,
+                   help="with --init-image: 0 keeps the image, 1 ignores it (default 0.6)")
+    p.add_argument("--mask", default=None, metavar="PATH",
+                   help="with --init-image: inpaint where the mask is white, keep where it is black")
     p.add_argument("--num-images", type=int, default=1)
     p.add_argument("--output", default="outputs/krea2.png", help="PNG path; batches get -0, -1, ... suffixes")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
@@ -39,6 +44,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="style reference image with its strength (default 1); repeatable, up to 10")
     p.add_argument("--style-mode", choices=("reference", "describe"), default="reference",
                    help="reference: vision tokens + reference latents (use a style-reference LoRA); describe: training-free")
+    p.add_argument("--reference-attention", choices=REFERENCE_ATTENTION, default="joint",
+                   help="joint: as the style-reference LoRA was trained; cached: references attend among themselves, "
+                        "computed once per image (cheaper per step)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     return p
 
@@ -52,18 +60,36 @@ def output_paths(output: str, count: int) -> list[Path]:
     return [path.with_name(f"{path.stem}-{i}{path.suffix}") for i in range(count)]
 
 
-def resolve_dtype(name: str, device: str) -> torch.dtype:
+def resolve_dtype(name: str, device: str):
+    import torch
+
     if name == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     return getattr(torch, name)
 
 
 def run(args) -> int:
-    from .. import Krea2Pipeline
+    import torch
+
+    from .. import Krea2Img2ImgPipeline, Krea2InpaintPipeline, Krea2Pipeline
     from ..assembly import load_pipeline
+    from ..metadata import save_png
+    from ..sampling import check_strength
 
     if args.num_images < 1:
         raise ValueError(f"--num-images must be >= 1, got {args.num_images}")
+    if args.mask and not args.init_image:
+        raise ValueError("--mask needs --init-image (the image to inpaint)")
+    image_args = {}
+    if args.init_image:
+        image_args = dict(image=args.init_image, strength=check_strength(args.strength))
+        if args.mask:
+            image_args["mask_image"] = args.mask
+    for path in filter(None, (args.init_image, args.mask)):
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"{path}: no such file")
+    size = {} if args.init_image else dict(height=DEFAULT_SIZE, width=DEFAULT_SIZE)
+    size.update({k: v for k, v in (("height", args.height), ("width", args.width)) if v is not None})
     paths = output_paths(args.output, args.num_images)
     existing = [str(p) for p in paths if p.exists()]
     if existing and not args.overwrite:
@@ -85,8 +111,10 @@ def run(args) -> int:
         pipe.load_lora_weights(path, strength=strength)
     if args.memory:
         print(f"memory: {pipe.enable_memory_preset(args.memory, device=device)}")
+    if args.init_image:
+        pipe = (Krea2InpaintPipeline if args.mask else Krea2Img2ImgPipeline).from_pipe(pipe)
     generators = [torch.Generator(device).manual_seed(args.seed + i) for i in range(args.num_images)]
-    result = pipe(args.prompt, negative_prompt=args.negative, height=args.height, width=args.width,
+    result = pipe(args.prompt, negative_prompt=args.negative, **size, **image_args, reference_attention=args.reference_attention,
                   num_inference_steps=args.steps, guidance_scale=args.guidance,
                   num_images_per_prompt=args.num_images, generator=generators, creativity=args.creativity,
                   expansion_seed=args.seed, style_images=[p for p, _ in style] or None,
@@ -107,7 +135,11 @@ def run(args) -> int:
             settings.update(original_prompt=args.prompt, creativity=args.creativity)
         if style:
             settings["style_references"] = [{"image": str(p), "strength": s} for p, s in style]
-            settings["style_mode"] = args.style_mode
+            settings.update(style_mode=args.style_mode, reference_attention=args.reference_attention)
+        if args.init_image:
+            settings.update(init_image=str(args.init_image), strength=args.strength)
+            if args.mask:
+                settings["mask"] = str(args.mask)
         if loras:
             settings["loras"] = [{"path": str(p), "strength": s} for p, s in loras]
         save_png(image, path, settings)

@@ -4,22 +4,31 @@ Public entry points:
 - :func:`load_gguf_transformer` (called by ``Krea2Transformer2DModel.from_single_file("x.gguf")``);
 - :func:`quantize_checkpoint` (behind ``krea2 quantize``);
 - :class:`PackedLinear`, :func:`dequantize`, :func:`quantize` for lower-level use.
+
+Names are imported on first use, so ``krea2 quantize --help`` (which reads ``qtypes``) needs no torch.
 """
 
-from .dequant import dequantize
-from .loader import load_gguf_transformer
-from .packed import PackedLinear, resident_bytes
-from .quantizer import quantize
-from .reader import GGUFFormatError, read_gguf
-from .writer import quantize_checkpoint
+from __future__ import annotations
 
-__all__ = [
-    "GGUFFormatError",
-    "PackedLinear",
-    "dequantize",
-    "load_gguf_transformer",
-    "quantize",
-    "quantize_checkpoint",
-    "read_gguf",
-    "resident_bytes",
-]
+import importlib
+
+_EXPORTS = {
+    "GGUFFormatError": ".reader",
+    "PackedLinear": ".packed",
+    "dequantize": ".dequant",
+    "load_gguf_transformer": ".loader",
+    "quantize": ".quantizer",
+    "quantize_checkpoint": ".writer",
+    "read_gguf": ".reader",
+    "resident_bytes": ".packed",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value

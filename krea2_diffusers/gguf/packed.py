@@ -5,8 +5,10 @@ linear layer by type keeps working on it: PEFT wraps it as a LoRA base layer (li
 bitsandbytes ``Linear4bit``: PEFT moves adapter weights to the base weight's device and, since
 the base weight is not floating point, leaves their dtype alone), ``model.to(device)`` moves the
 packed bytes, and ``model.to(dtype)`` leaves them alone (PyTorch only casts floating tensors).
-The weight is expanded to the input's dtype on the input's device at every call and dropped
-right after, so at most one layer's full-precision weight exists at a time.
+The weight is expanded to the input's dtype ON THE INPUT'S DEVICE at every call and dropped right
+after, so at most one layer's full-precision weight exists at a time. Packed bytes kept elsewhere
+(CPU offload) travel to the input's device first: 2-4x fewer bytes than the expanded weight, and
+the accelerator, not the CPU, does the expansion.
 """
 
 from __future__ import annotations
@@ -47,9 +49,15 @@ class PackedLinear(nn.Linear):
         """The full ``(out_features, in_features)`` weight in ``dtype``, on the packed bytes' device."""
         return dequantize(self.weight, self.qtype, (self.out_features, self.in_features), dtype)
 
+    def packed_on(self, device: torch.device) -> torch.Tensor:
+        """The packed bytes on ``device`` (the stored tensor itself when it is already there)."""
+        if self.weight.device == device:
+            return self.weight
+        return self.weight.to(device, non_blocking=self.weight.is_pinned())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``(..., in_features)`` float -> ``(..., out_features)`` in ``x.dtype``."""
-        weight = self.dequantized_weight(x.dtype).to(x.device)
+        weight = dequantize(self.packed_on(x.device), self.qtype, (self.out_features, self.in_features), x.dtype)
         bias = None if self.bias is None else self.bias.to(device=x.device, dtype=x.dtype)
         return F.linear(x, weight, bias)
 
