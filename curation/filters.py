@@ -32,7 +32,7 @@ def laplacian_variance(grey: np.ndarray) -> float:
 def rgb_entropy(rgb: np.ndarray) -> float:
     """Entropy in bits of the joint RGB histogram of a (H, W, 3) uint8 image (16 levels a channel)."""
     q = (rgb // (256 // ENTROPY_LEVELS)).astype(np.int32)
-    counts = np.bincount((q[..., 0] * ENTROPY_LEVELS + q[..., 1]) * ENTROPY_LEVELS + q[..., 2]).astype(np.float64)
+    counts = np.bincount(((q[..., 0] * ENTROPY_LEVELS + q[..., 1]) * ENTROPY_LEVELS + q[..., 2]).ravel()).astype(np.float64)
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log2(p)).sum())
 

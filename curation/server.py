@@ -94,6 +94,10 @@ class EmbeddedServer:
         self.dsn = self._server.get_uri(DATABASE)
         self._ensure_database()
 
+    def uri(self, database: str) -> str:
+        """Connection URI of another database on this server (tests give each case its own)."""
+        return self._server.get_uri(database)
+
     def _ensure_database(self) -> None:
         import psycopg
 
