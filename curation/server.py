@@ -14,6 +14,7 @@ import fcntl
 import json
 import logging
 import os
+import uuid
 import warnings
 from pathlib import Path
 from typing import Iterator
@@ -41,7 +42,7 @@ def _process_start(pid: int) -> float | None:
 
 
 def _alive(handle: list) -> bool:
-    pid, started = handle
+    pid, started, _ = handle
     return _process_start(pid) == started
 
 
@@ -85,7 +86,9 @@ class EmbeddedServer:
                                  f"`krea2 curate init --db {self.folder}`")
         self.folder.mkdir(parents=True, exist_ok=True)
         pgserver = _pgserver()
-        me = [os.getpid(), _process_start(os.getpid())]
+        # pid + start time tell a live process from a dead one whose pid was reused; the token tells
+        # apart several handles of one process (a test session and the commands it runs in-process).
+        me = [os.getpid(), _process_start(os.getpid()), uuid.uuid4().hex]
         with _locked(self.folder):
             self._server = pgserver.get_server(pgdata, cleanup_mode=None)
             handles = [h for h in _read_handles(self.folder) if h != me] + [me]
