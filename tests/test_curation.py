@@ -237,3 +237,67 @@ def test_hash_index_matches_brute_force():
     for query in everything[::7]:
         brute = sorted((k, (v ^ query).bit_count()) for k, v in enumerate(everything) if (v ^ query).bit_count() <= distance)
         assert sorted(index.query(query)) == brute
+
+
+def test_semantic_duplicates_inside_leaves():
+    from curation.clusters import semantic_duplicates
+
+    vectors = np.array([[1, 0, 0], [0.999, 0.0447, 0], [0, 1, 0], [0.6, 0.8, 0], [1, 0, 0]], dtype=np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    leaves = [(0,), (0,), (0,), (0,), (1,)]  # image 4 equals image 0 but lives in another leaf
+    order = [(-10, 0), (-20, 1), (-10, 2), (-10, 3), (-10, 4)]  # image 1 is the largest
+    found = semantic_duplicates(vectors, leaves, order, threshold=0.95)
+    assert set(found) == {0} and found[0][0] == 1 and found[0][1] == pytest.approx(float(vectors[0] @ vectors[1]))
+
+
+def test_run_workers_then_captions_embeddings_clusters(server, tmp_path, capsys):
+    dsn = _database(server, "models")
+    corpus = tmp_path / "corpus"
+    expected = make_corpus(corpus, photos=2, seed=2, bad=False)
+    for name in expected:
+        (corpus / name).with_suffix(".txt").write_text(f"source text of {name}")
+    config = tmp_path / "curate.yaml"
+    config.write_text(FAST_QUEUE + "caption: {model: tiny-random, max_new_tokens: 6, rewrite_max_new_tokens: 4, "
+                      "max_pixels: 4096}\ncluster: {levels: [2, 1], semantic_threshold: -1.0}\n")
+    store = tmp_path / "store"
+    assert krea2(["curate", "init", "--dsn", dsn]) == 0
+    assert krea2(["curate", "ingest", str(corpus), "--dsn", dsn]) == 0
+    code, _, err = _cli(capsys, "run", "--dsn", dsn, "--workers", 2, "--batch", 2, "--config", config, "--no-progress")
+    assert code == 0, err
+    kept = _rows(dsn, "SELECT id, uri, width::bigint * height AS area FROM images WHERE status = 'kept' ORDER BY id")
+    assert sorted(Path(r["uri"]).name for r in kept) == sorted(n for n, f in expected.items() if f == "kept")
+
+    code, out, err = _cli(capsys, "work", "--dsn", dsn, "--store", store, "--jobs", "caption,embed,cluster",
+                          "--batch", 3, "--config", config)
+    assert code == 0, err
+    rows = _rows(dsn, "SELECT * FROM images WHERE dedup_done_at IS NOT NULL AND duplicate_of IS NULL ORDER BY id")
+    assert len(rows) == len(kept)
+    for row in rows:
+        assert all(row[c] for c in ("caption_long", "caption_medium", "caption_short")), row["uri"]
+        vector = np.load(row["embedding_path"])[row["embedding_row"]]
+        assert Path(row["embedding_path"]).parent == store / "embeddings"
+        assert np.linalg.norm(vector) == pytest.approx(1.0, abs=1e-5)
+        assert len(row["cluster_ids"]) == 2 and row["cluster_ids"][1] == 0
+    # Threshold -1: every leaf keeps only its largest (then oldest) image, the rest point at it.
+    leaves: dict[tuple, list[dict]] = {}
+    for row in rows:
+        leaves.setdefault(tuple(row["cluster_ids"]), []).append(row)
+    for members in leaves.values():
+        keeper = max(members, key=lambda r: (r["width"] * r["height"], -r["id"]))
+        for row in members:
+            if row is keeper:
+                assert row["status"] == "kept"
+            else:
+                assert (row["status"], row["drop_reason"], row["semantic_duplicate_of"]) == (
+                    "dropped", "semantic_duplicate", keeper["id"])
+
+    code, out, err = _cli(capsys, "export", tmp_path / "pack", "--dsn", dsn, "--resolution", 64, "--batch-size", 1,
+                          "--balance", "clusters", "--per-cluster", 1)
+    assert code == 0, err
+    from finetune.packs import PackReader
+
+    reader = PackReader(tmp_path / "pack")
+    packed = reader.rows(0, len(reader), ["caption_long", "caption_short", "metadata"])
+    assert len(packed) == len(leaves)
+    assert sorted(tuple(json.loads(r["metadata"])["cluster_ids"]) for r in packed) == sorted(leaves)
+    assert all(r["caption_long"] and r["caption_short"] for r in packed)
