@@ -20,9 +20,9 @@ from finetune.config import ConfigError, _from_dict
 class QueueConfig:
     batch_size: int = 64
     """Rows one claim takes (``work --batch`` overrides it)."""
-    max_attempts: int = 5
+    max_attempts: int = 4
     """A row whose job raised this many times is marked ``failed`` with its last error."""
-    backoff_s: float = 30.0
+    backoff_s: float = 10.0
     """A failed row waits ``backoff_s * 2**(attempts-1)`` seconds before it is claimable again."""
     poll_s: float = 1.0
     """How often an idle worker looks again while others still hold rows."""
