@@ -3,6 +3,7 @@ a diffusers folder, a single file, or ``tiny-random``. Loading itself is the cor
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,9 @@ class TextEncoder:
         return embeds, mask.bool()
 
 
+@functools.lru_cache(maxsize=1)
 def _tiny():
+    """One tiny pipeline's components (frozen, so the text encoder and VAE may share the build)."""
     from krea2_diffusers.tiny import tiny_components
 
     return tiny_components()

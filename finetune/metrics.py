@@ -36,11 +36,13 @@ class MetricsLogger:
         if progress_bar:
             self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 
-    def log(self, step: int, loss: float, lr: float, grad_norm: float) -> None:
+    def log(self, step: int, loss: float, lr: float, grad_norm: float, extra: dict | None = None) -> None:
+        """``extra``: more fields of the row (numbers also go to TensorBoard), e.g. a pretraining
+        stage's name and REPA term."""
         if not self.enabled:
             return
         now = time.perf_counter()
-        row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time": now - self._last}
+        row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time": now - self._last, **(extra or {})}
         self._last = now
         if step % self.every == 0:
             self.file.write(json.dumps(row) + "\n")
@@ -49,6 +51,9 @@ class MetricsLogger:
                 self.writer.add_scalar("train/loss", loss, step)
                 self.writer.add_scalar("train/lr", lr, step)
                 self.writer.add_scalar("train/grad_norm", grad_norm, step)
+                for key, value in (extra or {}).items():
+                    if isinstance(value, (int, float)):
+                        self.writer.add_scalar(f"train/{key}", value, step)
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
             self.bar.update(1)

@@ -18,6 +18,7 @@ COMMANDS = {
     "expand": "krea2_diffusers.cli.expand",
     "train": "finetune.cli",
     "pack": "finetune.packs.cli",
+    "pretrain": "finetune.pretrain.cli",
     "curate": "curation.cli",
 }
 

@@ -1,0 +1,99 @@
+"""``krea2 pretrain CONFIG.yaml [--output-dir DIR] [--resume] [--dry-run] [--replay STEP] [key=value ...]``.
+
+One process, or several under ``torchrun`` / ``accelerate launch`` with ``python -m finetune.pretrain``
+(the same arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "pretrain",
+        help="pretrain a Krea 2 transformer from scratch (or continue) over krea2-pack-v1 stages",
+        description="Krea 2 pretraining recipe: progressive-resolution stages over krea2-pack-v1 packs, WSD schedule, "
+                    "AdamW or Muon, PMA, iREPA (see examples/pretrain_tiny.yaml).",
+    )
+    parser.add_argument("config", help="YAML pretraining config")
+    parser.add_argument("--output-dir", help="run folder (overrides output_dir in the config)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in the output folder from its last checkpoint")
+    parser.add_argument("--dry-run", action="store_true", help="check the config and packs, print the plan, train nothing")
+    parser.add_argument("--replay", type=int, metavar="STEP",
+                        help='print {"stage", "step", "sample_ids"} of global step STEP as JSON (last line) and exit')
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. stages.0.steps=100")
+    original = parser.parse_known_args
+    busy = []
+
+    def parse_known_args(args=None, namespace=None):  # options between positionals (see finetune.cli)
+        if busy:
+            return original(args, namespace)
+        busy.append(True)
+        try:
+            return parser.parse_known_intermixed_args(args, namespace)
+        finally:
+            busy.pop()
+
+    parser.parse_known_args = parse_known_args
+    return parser
+
+
+def _world_size() -> int:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def run(args: argparse.Namespace) -> int:
+    from .config import load_pretrain_config
+
+    overrides = list(args.overrides)
+    if args.output_dir:
+        overrides.append(f"output_dir={Path(args.output_dir).resolve()}")
+    config = load_pretrain_config(args.config, overrides)
+    logging.getLogger("finetune").setLevel(logging.INFO)
+    if args.replay is not None:
+        from .batches import replay_line
+        from .trainer import run_world_size
+
+        print(replay_line(config, args.replay, run_world_size(Path(config.output_dir), _world_size())))
+        return 0
+    if args.dry_run:
+        from .plan import print_plan
+
+        print_plan(config, _world_size())
+        return 0
+    from ..trainer import NonFiniteLossError
+    from .trainer import pretrain
+
+    try:
+        result = pretrain(config, resume=args.resume)
+    except NonFiniteLossError as err:
+        print(f"krea2 pretrain: {err}", file=sys.stderr)
+        return 3
+    if result.interrupted:
+        print(f"stopped at step {result.final_step}; continue with --resume", file=sys.stderr)
+        return 130
+    return 0
+
+
+def main(argv=None) -> int:
+    """``python -m finetune.pretrain`` (for torchrun / accelerate launch)."""
+    parser = argparse.ArgumentParser(prog="python -m finetune.pretrain")
+    command = add_parser(parser.add_subparsers(dest="command"))
+    command.prog = "python -m finetune.pretrain"
+    args = command.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from ..config import ConfigError
+    from ..packs import PackError
+    from ..rundir import RunDirectoryError
+
+    try:
+        return run(args)
+    except (ConfigError, PackError, RunDirectoryError) as err:
+        print(f"krea2 pretrain: error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,142 @@
+"""The pretraining recipe's pieces against independent references: Muon (torch's, and gathered
+under FSDP2), the AdamW/Muon split, per-stage timestep shift, scratch init, captions, decode failures."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+
+from finetune.objective import sample_timesteps
+from finetune.packs import PackReader, PackRecord, write_pack
+from finetune.pretrain.architecture import build_transformer
+from finetune.pretrain.batches import StageBatches, StepData, choose_caption
+from finetune.pretrain.config import (CaptionConfig, PretrainModelConfig, PretrainOptimizerConfig, StageConfig,
+                                      build_pretrain_config)
+from finetune.pretrain.optimizers import GatheredMuon, make_optimizers, split_parameters
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gathered_muon_is_torch_muon_on_whole_matrices():
+    torch.manual_seed(0)
+    weights = [torch.randn(24, 16), torch.randn(8, 40)]
+    ours = [w.clone().requires_grad_() for w in weights]
+    theirs = [w.clone().requires_grad_() for w in weights]
+    kwargs = dict(lr=0.01, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
+    a, b = GatheredMuon(ours, **kwargs), torch.optim.Muon(theirs, **kwargs)
+    for _ in range(3):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn(p.shape)
+            q.grad = p.grad.clone()
+        a.step(), b.step()
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+        torch.testing.assert_close(a.state[p]["momentum_buffer"], b.state[q]["momentum_buffer"], rtol=0, atol=0)
+
+
+def test_gathered_muon_under_fsdp2_matches_one_process():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561",
+                             str(ROOT / "tests/pretrain_muon_worker.py")], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_first_and_last_layers_embeddings_and_vectors_stay_on_adamw():
+    model = build_transformer(PretrainModelConfig(architecture="tiny"), seed=0)
+    split = split_parameters(model, PretrainOptimizerConfig(name="muon"))
+    muon = {n for n, _ in split.muon}
+    decay, no_decay = {n for n, _ in split.adamw_decay}, {n for n, _ in split.adamw_no_decay}
+    assert "transformer_blocks.0.attn.to_q.weight" in muon and "transformer_blocks.1.ff.down.weight" in muon
+    assert {"img_in.weight", "final_layer.linear.weight", "time_embed.linear_1.weight"} <= decay
+    assert "transformer_blocks.0.norm1.weight" in decay  # zero-centred RMSNorm scales decay (towards 1)
+    assert {"img_in.bias", "transformer_blocks.0.scale_shift_table", "final_layer.scale_shift_table"} <= no_decay
+    assert all(p.ndim == 2 for _, p in split.muon)
+    assert muon | decay | no_decay == {n for n, _ in model.named_parameters()}
+    adamw_only, _ = make_optimizers(model, PretrainOptimizerConfig(name="adamw"))
+    assert [type(o) for o in adamw_only] == [torch.optim.AdamW]
+    off = split_parameters(model, PretrainOptimizerConfig(name="adamw", norm_weight_decay=False))
+    assert "transformer_blocks.0.norm1.weight" in {n for n, _ in off.adamw_no_decay}
+
+
+def test_scratch_init_starts_every_block_as_the_identity_and_predicts_zero():
+    model = build_transformer(PretrainModelConfig(architecture="tiny"), seed=3)
+    assert not model.final_layer.linear.weight.any() and not model.time_mod_proj.weight.any()
+    assert not model.transformer_blocks[0].norm1.weight.any() and model.transformer_blocks[0].attn.to_q.weight.std() > 0
+    again = build_transformer(PretrainModelConfig(architecture="tiny"), seed=3)
+    torch.testing.assert_close(model.state_dict(), again.state_dict(), rtol=0, atol=0)  # same on every process
+
+
+def test_stage_shift_is_the_exponential_shift_of_logit_normal_times():
+    config = build_pretrain_config({"stages": [{"name": "a", "data": "p", "shift": 3.0}, {"name": "b", "data": "q"}]})
+    objective = config.timestep_objective(config.stages[0])
+    t = sample_timesteps(4096, 256, objective, torch.Generator().manual_seed(1))
+    u = torch.sigmoid(torch.randn(4096, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+    torch.testing.assert_close(t, (3 * u / (1 + 2 * u)).float())  # shift s: t = s u / (1 + (s - 1) u)
+    assert config.timestep_objective(config.stages[1]).shift == "resolution"
+    assert config.stage_at(1) == (0, 0) and config.stages[0].lr_scheduler.name == "wsd"
+
+
+def test_captions_follow_ratios_and_fall_back_to_what_exists():
+    row = {"caption_long": "L", "caption_medium": "M", "caption_short": None}
+    draws = [choose_caption(row, CaptionConfig(long=0.5, medium=0.0, short=0.5, dropout=0.25),
+                            torch.Generator().manual_seed(i))[1] for i in range(400)]
+    assert set(draws) == {"L", "M", ""}  # short is missing: its draws fall back to medium
+    assert 0.15 < draws.count("") / 400 < 0.35 and 0.3 < draws.count("M") / 400 < 0.45
+    assert choose_caption({"caption_long": None, "caption_medium": None, "caption_short": None},
+                          CaptionConfig(dropout=0.0), torch.Generator())[1] == ""
+
+
+def test_a_row_that_fails_to_decode_is_skipped_and_counted(tmp_path):
+    records = [PackRecord(image=_png(i), caption_long=f"c{i}", sample_id=f"s{i}") for i in range(8)]
+    write_pack(records, tmp_path / "pack", resolution=64, batch_size=4)
+    shard = next((tmp_path / "pack").glob("*.parquet"))
+    table = pq.read_table(shard)
+    images = table.column("image_bytes").to_pylist()
+    images[1] = b"\x89PNG broken"
+    pq.write_table(table.set_column(1, "image_bytes", pa.array(images, pa.binary())).replace_schema_metadata(table.schema.metadata), shard)
+    config = build_pretrain_config({"stages": [{"name": "a", "data": str(tmp_path / "pack"), "resolution": 64,
+                                                "batch_size": 4, "steps": 2}]})
+    batches = [StageBatches(config.stages[0], PackReader(tmp_path / "pack"), 1)]
+    item = StepData(config, batches, rank=0, world_size=1)[1]
+    ids = PackReader(tmp_path / "pack").sample_ids(0, 4)
+    assert item["failures"] == 1 and item["micro"][0]["sample_ids"] == ids[:1] + ids[2:]
+    assert item["micro"][0]["pixels"].shape == (3, 3, 64, 64)
+
+
+def test_process_count_changes_micro_batches_not_rows():
+    stage = StageConfig(name="a", data="x", batch_size=2)
+
+    class Pack:  # the row count is all StageBatches reads
+        def __len__(self):
+            return 24
+
+    two = StageBatches(stage, Pack(), run_world_size=2)  # global batch 4
+    assert two.local_micro_batches(1, 0, 2) == [range(4, 6)] and two.local_micro_batches(1, 1, 2) == [range(6, 8)]
+    assert two.local_micro_batches(1, 0, 1) == [range(4, 6), range(6, 8)]  # one process: one bucket per micro-batch
+    assert two.local_micro_batches(7, 0, 4) == [range(4, 5)]  # wraps after 6 batches per epoch
+    assert two.repa_on(0) is False
+
+
+def _png(i):
+    import io
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 64), (30 * i, 0, 0)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_wsd_schedule_per_stage():
+    from finetune.optim import lr_multiplier
+
+    stage = build_pretrain_config({"stages": [{"name": "a", "data": "p", "steps": 10,
+                                               "lr_scheduler": {"warmup_steps": 2, "decay_fraction": 0.5}}]}).stages[0]
+    values = [lr_multiplier(k, stage.lr_scheduler, stage.steps) for k in range(10)]
+    assert values == pytest.approx([0.5, 1, 1, 1, 1, 1, 0.8, 0.6, 0.4, 0.2])
+    assert math.isclose(values[5], 1.0)
