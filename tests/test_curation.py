@@ -53,11 +53,15 @@ def _rows(dsn: str, sql: str, params=()) -> list[dict]:
         return [dict(zip(names, r)) for r in cur.fetchall()]
 
 
-def _cli(capsys, *argv) -> tuple[int, str, str]:
+def _cli_raw(capsys, *argv) -> tuple[int, str, str]:
     capsys.readouterr()
-    code = krea2(["curate", *map(str, argv)])
+    code = krea2([*map(str, argv)])
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def _cli(capsys, *argv) -> tuple[int, str, str]:
+    return _cli_raw(capsys, "curate", *argv)
 
 
 def test_corpus_verdicts_status_and_export(server, tmp_path, capsys):
@@ -121,6 +125,14 @@ def test_corpus_verdicts_status_and_export(server, tmp_path, capsys):
     assert {r["caption_long"] for r in packed if r["source"].endswith("p000_a.png")} == {"a red kite over a field"}
     for start in range(0, len(packed) - 1, 2):
         assert (packed[start]["width"], packed[start]["height"]) == (packed[start + 1]["width"], packed[start + 1]["height"])
+    # krea2 pretrain accepts the export as a stage's pack (checked by its dry run, nothing trained).
+    pretrain = tmp_path / "pretrain.yaml"
+    pretrain.write_text(f"output_dir: {tmp_path / 'run'}\n"
+                        "model: {architecture: tiny, init: scratch, text_encoder: tiny-random, vae: tiny-random}\n"
+                        f"stages:\n  - {{name: s128, data: {tmp_path / 'pack'}, resolution: 128, batch_size: 2, steps: 2}}\n")
+    code, out, err = _cli_raw(capsys, "pretrain", pretrain, "--dry-run")
+    assert code == 0, err
+    assert f"pack {tmp_path / 'pack'} ({len(packed)} rows" in out
 
 
 def test_three_workers_one_killed(server, tmp_path):
