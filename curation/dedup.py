@@ -126,7 +126,20 @@ class DedupJob:
             self.dedup.place(image_id, md5, bytes(phash), bytes(colour), area)
             self.last_seq = seq
 
+    def ready(self, warehouse: Warehouse) -> bool:
+        return True
+
     def run(self, warehouse: Warehouse, rows: list[dict]) -> None:
+        try:
+            self._run(warehouse, rows)
+        except BaseException:
+            # The transaction rolled back: forget what this batch placed; the next batch reloads
+            # the index from the table.
+            self.dedup = Deduplicator(self.dedup.config)
+            self.last_seq = 0
+            raise
+
+    def _run(self, warehouse: Warehouse, rows: list[dict]) -> None:
         conn = warehouse.conn
         with conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (DEDUP_LOCK,))

@@ -15,7 +15,7 @@ from collections import Counter
 from typing import Callable
 
 from .config import CurationConfig
-from .schema import JOBS, SCREENING
+from .schema import JOBS
 from .warehouse import Outcome, Warehouse
 
 logger = logging.getLogger(__name__)
@@ -47,9 +47,7 @@ def make_job(name: str, config: CurationConfig):
     if name == "dedup":
         from .dedup import DedupJob
 
-        job = DedupJob(config.dedup)
-        job.ready = lambda warehouse: True
-        return job
+        return DedupJob(config.dedup)
     if name == "caption":
         from .captions import CaptionJob
 
@@ -106,5 +104,3 @@ def work(warehouse: Warehouse, config: CurationConfig, jobs: list[str], batch_si
             continue
         return handled
 
-
-__all__ = ["JOBS", "SCREENING", "make_job", "parse_jobs", "work"]

@@ -16,16 +16,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psycopg
 import pytest
 
-pytest.importorskip("pgserver")
-psycopg = pytest.importorskip("psycopg")
-
-from curation.dedup import HashIndex  # noqa: E402
-from curation.hashing import hash_int  # noqa: E402
-from curation.server import DATABASE, EmbeddedServer  # noqa: E402
-from curation.synthetic import make_corpus  # noqa: E402
-from krea2_diffusers.cli import main as krea2  # noqa: E402
+from curation.dedup import HashIndex
+from curation.hashing import hash_int
+from curation.server import EmbeddedServer
+from curation.synthetic import make_corpus
+from krea2_diffusers.cli import main as krea2
 
 FAST_QUEUE = "queue: {max_attempts: 2, backoff_s: 0.0, poll_s: 0.1}\n"
 REPO = Path(__file__).resolve().parents[1]
@@ -195,6 +193,8 @@ def test_three_workers_one_killed(server, tmp_path):
 def test_bad_connections_schema_and_backoff(server, tmp_path, capsys):
     code, _, err = _cli(capsys, "status", "--dsn", "postgresql://curator@127.0.0.1:1/warehouse_x")
     assert code == 2 and "127.0.0.1" in err and "warehouse_x" in err and "Traceback" not in err
+    code, _, err = _cli(capsys, "status", "--db", tmp_path / "nothing-here")
+    assert code == 2 and "no warehouse" in err and "krea2 curate init" in err
 
     dsn = _database(server, "schema")
     code, _, err = _cli(capsys, "status", "--dsn", dsn)
@@ -313,3 +313,27 @@ def test_run_workers_then_captions_embeddings_clusters(server, tmp_path, capsys)
     assert len(packed) == len(leaves)
     assert sorted(tuple(json.loads(r["metadata"])["cluster_ids"]) for r in packed) == sorted(leaves)
     assert all(r["caption_long"] and r["caption_short"] for r in packed)
+
+
+def test_larger_late_arrival_takes_over_its_group(server, tmp_path, capsys):
+    from PIL import Image
+
+    from curation.synthetic import photo
+
+    dsn = _database(server, "takeover")
+    picture = photo(np.random.default_rng(5))
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    picture.resize((320, 256), Image.Resampling.LANCZOS).save(first / "small.jpg", quality=90)
+    picture.save(second / "large.png")
+    config = tmp_path / "curate.yaml"
+    config.write_text(FAST_QUEUE)
+    assert _cli(capsys, "init", "--dsn", dsn)[0] == 0
+    for folder in (first, second):
+        assert _cli(capsys, "ingest", folder, "--dsn", dsn)[0] == 0
+        assert _cli(capsys, "work", "--dsn", dsn, "--config", config)[0] == 0
+    rows = {Path(r["uri"]).name: r for r in _rows(dsn, "SELECT * FROM images")}
+    assert rows["large.png"]["status"] == "kept" and rows["large.png"]["duplicate_of"] is None
+    assert (rows["small.jpg"]["status"], rows["small.jpg"]["drop_reason"], rows["small.jpg"]["duplicate_of"]) == (
+        "dropped", "near_duplicate", rows["large.png"]["id"])
