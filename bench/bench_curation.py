@@ -27,11 +27,13 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from curation.config import DedupConfig  # noqa: E402
 from curation.dedup import HashIndex  # noqa: E402
 from curation.server import EmbeddedServer  # noqa: E402
 from curation.synthetic import make_corpus  # noqa: E402
 
-HASH_BITS, BANDS, MAX_DISTANCE = 144, 9, 16
+DEDUP = DedupConfig()
+HASH_BITS, BANDS, MAX_DISTANCE = DEDUP.hash_size ** 2, DEDUP.bands, DEDUP.max_hash_distance
 NEAR_SHARE = 0.1  # share of hashes planted as near copies of earlier ones
 
 
@@ -99,15 +101,7 @@ def scan_time(values: list[int], limit_s: float) -> tuple[float | None, int]:
     return time.perf_counter() - start, matches
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--photos", type=int, default=60, help="distinct photographs in the corpus (~2.3 files each)")
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--hashes", type=int, nargs="+", default=[1000, 10000, 100000])
-    parser.add_argument("--scan-limit-s", type=float, default=120.0, help="skip the full scan beyond this time")
-    args = parser.parse_args()
-
+def worker_counts(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus"
         files = len(make_corpus(corpus, photos=args.photos))
@@ -123,6 +117,19 @@ def main() -> None:
                       f"({r['rows_per_s_queue']:.1f} rows/s, x{r['rows_per_s_queue'] / base:.2f} vs first)")
         finally:
             server.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--photos", type=int, default=60, help="distinct photographs in the corpus (~2.3 files each)")
+    parser.add_argument("--workers", type=int, nargs="*", default=[1, 2, 4], help="worker counts (none: skip)")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--hashes", type=int, nargs="+", default=[1000, 10000, 100000])
+    parser.add_argument("--scan-limit-s", type=float, default=120.0, help="skip the full scan beyond this time")
+    args = parser.parse_args()
+
+    if args.workers:
+        worker_counts(args)
 
     rng = np.random.default_rng(0)
     for n in args.hashes:

@@ -67,9 +67,12 @@ class DedupConfig:
     """Perceptual hash of hash_size**2 bits (low DCT frequencies vs their median)."""
     max_hash_distance: int = 16
     """Near duplicates differ in at most this many of the 144 bits (~11%)."""
-    bands: int = 8
+    bands: int = 6
     """Multi-index hashing: the hash is cut into this many bands; a match within max_hash_distance
-    shares a band within max_hash_distance // bands bits, so only those buckets are searched."""
+    agrees within max_hash_distance // bands bits on some band, so only those buckets are searched.
+    6 bands of 24 bits (radius 2, 301 keys a band) keep buckets nearly empty up to ~1e7 hashes:
+    query time stays flat as the warehouse grows (bench/bench_curation.py). 9 bands of 16 bits
+    (radius 1) are faster below ~2e4 hashes but their buckets fill up linearly."""
     colour_grid: int = 4
     """Colour hash: mean chroma (Cb, Cr) of each cell of a colour_grid x colour_grid grid."""
     max_colour_distance: float = 8.0

@@ -242,13 +242,14 @@ def test_hash_index_matches_brute_force():
     for value in base[:100]:  # near neighbours at 0..distance+3 flipped bits
         flips = rng.choice(bits, size=int(rng.integers(0, distance + 4)), replace=False)
         planted.append(value ^ sum(1 << int(b) for b in flips))
-    index = HashIndex(bits, bands=9, max_distance=distance)
-    for key, value in enumerate(base + planted):
-        index.add(key, value)
     everything = base + planted
-    for query in everything[::7]:
-        brute = sorted((k, (v ^ query).bit_count()) for k, v in enumerate(everything) if (v ^ query).bit_count() <= distance)
-        assert sorted(index.query(query)) == brute
+    for bands in (6, 9):  # radius 2 and radius 1 per band
+        index = HashIndex(bits, bands=bands, max_distance=distance)
+        for key, value in enumerate(everything):
+            index.add(key, value)
+        for query in everything[::7]:
+            brute = sorted((k, (v ^ query).bit_count()) for k, v in enumerate(everything) if (v ^ query).bit_count() <= distance)
+            assert sorted(index.query(query)) == brute
 
 
 def test_semantic_duplicates_inside_leaves():
