@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -127,6 +128,8 @@ def main() -> None:
     parser.add_argument("--hashes", type=int, nargs="+", default=[1000, 10000, 100000])
     parser.add_argument("--scan-limit-s", type=float, default=120.0, help="skip the full scan beyond this time")
     args = parser.parse_args()
+    # A timeout's SIGTERM must still stop the embedded server (the finally below).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     if args.workers:
         worker_counts(args)

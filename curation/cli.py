@@ -118,9 +118,16 @@ def _dispatch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds: the embedded server handle is released on the way out
+
+
 def run(args: argparse.Namespace) -> int:
+    import signal
+
     from .server import WarehouseError
 
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         return _dispatch(args)
     except WarehouseError as err:
