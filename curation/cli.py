@@ -124,10 +124,12 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import signal
+    import threading
 
     from .server import WarehouseError
 
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         return _dispatch(args)
     except WarehouseError as err:
