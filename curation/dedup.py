@@ -58,10 +58,11 @@ class HashIndex:
     def query(self, value: int) -> list[tuple[int, int]]:
         """Every indexed ``(key, distance)`` within ``max_distance`` bits of ``value``."""
         candidates: set[int] = set()
-        for table, band in zip(self.tables, self._bands(value)):
-            # The neighbouring band values that exist, found by a set intersection in C rather
-            # than one dictionary probe per neighbour in Python.
-            for neighbour in table.keys() & set((self.masks ^ band).tolist()):
+        # All bands' neighbour values in one vectorised XOR; the ones that exist are found by a
+        # set intersection in C rather than one dictionary probe per neighbour in Python.
+        neighbours = (np.array(self._bands(value), dtype=np.int64)[:, None] ^ self.masks).tolist()
+        for table, values in zip(self.tables, neighbours):
+            for neighbour in table.keys() & set(values):
                 candidates.update(table[neighbour])
         found = []
         for key in candidates:
