@@ -14,6 +14,7 @@ import fcntl
 import json
 import logging
 import os
+import signal
 import uuid
 import warnings
 from pathlib import Path
@@ -26,6 +27,7 @@ DATABASE = "curation"
 PGDATA = "pgdata"
 HANDLES = "handles.json"
 LOCK = ".server.lock"
+STOP_TIMEOUT_S = 60
 
 
 class WarehouseError(RuntimeError):
@@ -75,6 +77,24 @@ def _pgserver():
     return pgserver
 
 
+def _stop(pgdata: Path) -> None:
+    """Fast shutdown (SIGINT to the postmaster, what ``pg_ctl -m fast stop`` sends), waiting for it.
+
+    Signalled directly rather than through pg_ctl: run as root, pg_ctl runs as the server's user,
+    which loses access to the data folder when another program tightens a parent's permissions
+    (pytest resets /tmp/pytest-of-<user> to 0700 whenever a session starts).
+    """
+    import psutil
+
+    try:
+        pid = int((pgdata / "postmaster.pid").read_text().split()[0])
+        process = psutil.Process(pid)
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=STOP_TIMEOUT_S)
+    except (OSError, ValueError, IndexError, psutil.Error) as err:  # already stopped
+        logger.debug("stopping the server in %s: %s", pgdata, err)
+
+
 class EmbeddedServer:
     """A handle on the Postgres server of ``folder`` (started if none runs there)."""
 
@@ -115,15 +135,11 @@ class EmbeddedServer:
         """Drop this process's handle; the last live handle stops the server."""
         if self._handle is None:
             return
-        pgserver = _pgserver()
         with _locked(self.folder):
             handles = [h for h in _read_handles(self.folder) if h != self._handle]
             _write_handles(self.folder, handles)
             if not handles:
-                try:
-                    pgserver.pg_ctl(["-w", "-m", "fast", "stop"], pgdata=self._server.pgdata, user=self._server.system_user)
-                except Exception as err:  # already stopped by hand: nothing left to do
-                    logger.debug("stopping %s: %s", self.folder, err)
+                _stop(self.folder / PGDATA)
         self._handle = None
 
 
