@@ -47,6 +47,19 @@ def describe_style(model, tokenizer, image, seed: int | None = 0, max_new_tokens
     Returns:
         The cleaned description ("" if the model produced nothing usable).
     """
+    return describe_image(model, tokenizer, image, DESCRIBE_STYLE_INSTRUCTION, DESCRIBE_STYLE_REQUEST, seed=seed,
+                          max_new_tokens=max_new_tokens, max_pixels=max_pixels)
+
+
+def describe_image(model, tokenizer, image, instruction: str, request: str, seed: int | None = 0,
+                   max_new_tokens: int = DESCRIPTION_MAX_NEW_TOKENS, *, max_pixels: int = REFERENCE_MAX_PIXELS,
+                   sampling: dict | None = None) -> str:
+    """What a Qwen-VL model with its LM head writes about ``image`` given a system ``instruction``
+    and a user ``request`` (the image comes first in the user turn); cleaned to one paragraph.
+
+    Style descriptions and curation captions both go through here. ``sampling`` overrides the
+    (cool) default sampling settings; the global RNG is untouched.
+    """
     from .expander import chat_input_ids, clean_generated_text, sample_text
 
     picture = _one_image(image)
@@ -54,13 +67,13 @@ def describe_style(model, tokenizer, image, seed: int | None = 0, max_new_tokens
     image_token = _token_id(tokenizer, IMAGE_PAD, getattr(config, "image_token_id", None))
     pixel_values, grid, tokens = vision_inputs(model, [picture], max_pixels)
     messages = [
-        {"role": "system", "content": DESCRIBE_STYLE_INSTRUCTION},
-        {"role": "user", "content": vision_block(tokens[0]) + DESCRIBE_STYLE_REQUEST},
+        {"role": "system", "content": instruction},
+        {"role": "user", "content": vision_block(tokens[0]) + request},
     ]
     input_ids = chat_input_ids(tokenizer, messages)
     device = next(model.parameters()).device
     token_types = (torch.tensor([input_ids], device=device) == image_token).int()
-    kwargs = dict(do_sample=True, max_new_tokens=max_new_tokens, **_DESCRIPTION_SAMPLING)
+    kwargs = dict(do_sample=True, max_new_tokens=max_new_tokens, **(sampling or _DESCRIPTION_SAMPLING))
     if getattr(getattr(model, "generation_config", None), "pad_token_id", None) is None and tokenizer.pad_token_id is not None:
         kwargs["pad_token_id"] = tokenizer.pad_token_id
     if getattr(getattr(model, "generation_config", None), "eos_token_id", None) is None and tokenizer.eos_token_id is not None:

@@ -19,6 +19,7 @@ COMMANDS = {
     "train": "finetune.cli",
     "pack": "finetune.packs.cli",
     "pretrain": "finetune.pretrain.cli",
+    "curate": "curation.cli",
 }
 
 

@@ -1,0 +1,115 @@
+"""The report's cheap CPU filters, scored on a thumbnail so thresholds do not depend on resolution.
+
+Each check returns a score; :func:`verdict` turns scores into the first failing reason (or None).
+Order matters only for the reason recorded: an all-black image is ``black_white``, not ``flat``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from PIL import Image
+
+from .config import FilterConfig
+
+ENTROPY_LEVELS = 16
+"""Histogram levels per channel for the RGB entropy (16**3 bins)."""
+DOMINANT_SHIFT = 3
+"""Colours are compared at 5 bits per channel for the dominant-colour share (JPEG noise tolerance)."""
+BLACK_LEVEL, WHITE_LEVEL = 16, 239
+UNIFORM_LINE_SHARE = 0.98
+"""A row/column is uniform when this share of its pixels is within tolerance of its median colour."""
+BORDER_EDGE_SHARE = 0.5
+"""A uniform margin is a border when, just inside it, under half the pixels still have its colour
+(a hard edge); a flat illustration background continues past that line and is not a border."""
+
+
+def laplacian_variance(grey: np.ndarray) -> float:
+    """Variance of the 4-neighbour Laplacian of a (H, W) float image (grey levels)."""
+    lap = grey[1:-1, :-2] + grey[1:-1, 2:] + grey[:-2, 1:-1] + grey[2:, 1:-1] - 4 * grey[1:-1, 1:-1]
+    return float(lap.var())
+
+
+def rgb_entropy(rgb: np.ndarray) -> float:
+    """Entropy in bits of the joint RGB histogram of a (H, W, 3) uint8 image (16 levels a channel)."""
+    q = (rgb // (256 // ENTROPY_LEVELS)).astype(np.int32)
+    counts = np.bincount(((q[..., 0] * ENTROPY_LEVELS + q[..., 1]) * ENTROPY_LEVELS + q[..., 2]).ravel()).astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log2(p)).sum())
+
+
+def black_white_fraction(rgb: np.ndarray) -> float:
+    return float(((rgb.max(-1) < BLACK_LEVEL) | (rgb.min(-1) > WHITE_LEVEL)).mean())
+
+
+def dominant_fraction(rgb: np.ndarray) -> float:
+    """Share of pixels with the most common colour (5 bits per channel)."""
+    q = (rgb >> DOMINANT_SHIFT).astype(np.int32)
+    return float(np.bincount(((q[..., 0] << 10) | (q[..., 1] << 5) | q[..., 2]).ravel()).max() / q[..., 0].size)
+
+
+def _close(line: np.ndarray, colour: np.ndarray, tolerance: int) -> np.ndarray:
+    return np.abs(line.astype(np.int16) - colour.astype(np.int16)).max(-1) <= tolerance
+
+
+def _margin(lines: np.ndarray, tolerance: int) -> int:
+    """Border width (in lines) at the start of ``lines`` (N, L, 3), 0 when there is none."""
+    colour = np.median(lines[0], axis=0)
+    width = 0
+    for line in lines:
+        if _close(line, colour, tolerance).mean() < UNIFORM_LINE_SHARE:
+            break
+        width += 1
+    if width == 0 or width == len(lines):
+        return 0
+    return width if _close(lines[width], colour, tolerance).mean() < BORDER_EDGE_SHARE else 0
+
+
+def border_fraction(rgb: np.ndarray, tolerance: int) -> float:
+    """Largest share of its side taken by a uniform margin ending at a hard edge (0: no border)."""
+    sides = [rgb, rgb[::-1], rgb.transpose(1, 0, 2), rgb.transpose(1, 0, 2)[::-1]]
+    return max(_margin(side, tolerance) / len(side) for side in sides)
+
+
+def thumbnail(image: Image.Image, side: int) -> np.ndarray:
+    """(H, W, 3) uint8 RGB with the longer side at most ``side`` (JPEG decodes at reduced size)."""
+    image.draft("RGB", (side, side))
+    image = image.convert("RGB")
+    image.thumbnail((side, side), Image.Resampling.BILINEAR)
+    return np.asarray(image)
+
+
+def scores(rgb: np.ndarray, config: FilterConfig) -> dict[str, float]:
+    grey = rgb.astype(np.float64) @ np.array([0.299, 0.587, 0.114])
+    return {
+        "black_white": round(black_white_fraction(rgb), 4),
+        "dominant": round(dominant_fraction(rgb), 4),
+        "entropy": round(rgb_entropy(rgb), 4),
+        "border": round(border_fraction(rgb, config.uniform_tolerance), 4),
+        "laplacian_variance": round(laplacian_variance(grey), 2),
+    }
+
+
+def size_verdict(width: int, height: int, config: FilterConfig) -> tuple[str, float] | None:
+    """Drop reason from the probed size alone (no decode): ``too_small`` or ``aspect_ratio``."""
+    if min(width, height) < config.min_side:
+        return "too_small", float(min(width, height))
+    aspect = max(width, height) / min(width, height)
+    if aspect > config.max_aspect_ratio:
+        return "aspect_ratio", aspect
+    return None
+
+
+def verdict(values: dict[str, float], config: FilterConfig) -> tuple[str, float] | None:
+    """The first failing filter as ``(reason, score)``, or None when the image passes."""
+    checks = (
+        ("black_white", values["black_white"] > config.max_black_white_fraction),
+        ("flat", values["dominant"] > config.max_dominant_fraction),
+        ("low_entropy", values["entropy"] < config.min_entropy),
+        ("border", values["border"] >= config.border_min_fraction),
+        ("noise", values["laplacian_variance"] > config.max_laplacian_variance),
+    )
+    for reason, failed in checks:
+        if failed:
+            key = {"flat": "dominant", "low_entropy": "entropy", "noise": "laplacian_variance"}.get(reason, reason)
+            return reason, values[key]
+    return None

@@ -1,0 +1,108 @@
+"""The warehouse schema, created and migrated by the tool (versioned, forward only).
+
+One ``images`` table holds every image's probe results, each job's result columns and its queue
+state (``<job>_done_at``, ``<job>_last_tried_at``, ``<job>_attempts``, ``<job>_error``,
+``<job>_claimed_by``), the final ``status`` and the reason an image was dropped. A database whose
+schema is newer than this code is refused: an old worker must never write rows it does not understand.
+"""
+
+from __future__ import annotations
+
+from .server import WarehouseError
+
+JOBS = ("probe", "filter", "dedup", "caption", "embed", "cluster")
+"""Every job, in pipeline order."""
+UPSTREAM = {"probe": None, "filter": "probe", "dedup": "filter", "caption": "dedup", "embed": "dedup", "cluster": "embed"}
+"""The job whose result a job reads: a row is claimable for a job once its upstream job is done."""
+SCREENING = ("probe", "filter", "dedup")
+"""Jobs that decide whether an image is kept; they serve ``pending`` rows, the others ``kept`` rows."""
+STATUSES = ("pending", "kept", "dropped", "failed")
+
+# Any fixed 64-bit number: the key of the transaction lock that serialises schema migrations.
+MIGRATION_LOCK = 0x6B72656132_01
+
+
+def _job_columns(job: str) -> str:
+    return (f"{job}_done_at timestamptz, {job}_last_tried_at timestamptz, "
+            f"{job}_attempts integer NOT NULL DEFAULT 0, {job}_error text, {job}_claimed_by integer")
+
+
+def _job_index(job: str) -> str:
+    # The claim query's order, restricted to rows still waiting for the job: stays small as rows finish.
+    return (f"CREATE INDEX images_{job}_queue ON images ({job}_last_tried_at NULLS FIRST, id) "
+            f"WHERE {job}_done_at IS NULL AND status IN ('pending', 'kept');")
+
+
+_V1 = f"""
+CREATE TABLE images (
+    id bigserial PRIMARY KEY,
+    uri text NOT NULL UNIQUE,
+    source_text text,
+    ingested_at timestamptz NOT NULL DEFAULT now(),
+    md5 text, size_bytes bigint, format text, width integer, height integer,
+    filter_scores jsonb, phash bytea, colour_hash bytea,
+    dedup_group bigint, duplicate_of bigint, dedup_seq bigint, dedup_distance real,
+    caption_long text, caption_medium text, caption_short text,
+    embedding_path text, embedding_row integer,
+    cluster_ids integer[], semantic_duplicate_of bigint,
+    status text NOT NULL DEFAULT 'pending' CHECK (status IN {STATUSES!r}),
+    drop_reason text, drop_score real, drop_job text,
+    {', '.join(_job_columns(job) for job in JOBS)}
+);
+CREATE INDEX images_md5 ON images (md5);
+CREATE INDEX images_dedup_seq ON images (dedup_seq) WHERE dedup_seq IS NOT NULL;
+CREATE INDEX images_status ON images (status, drop_reason);
+{' '.join(_job_index(job) for job in JOBS)}
+CREATE SEQUENCE dedup_seq;
+CREATE TABLE claim_log (
+    id bigserial PRIMARY KEY, job text NOT NULL, image_id bigint NOT NULL, worker text NOT NULL,
+    backend_pid integer NOT NULL, claimed_at timestamptz NOT NULL, released_at timestamptz, outcome text
+);
+CREATE INDEX claim_log_image ON claim_log (job, image_id);
+CREATE TABLE cluster_models (
+    id serial PRIMARY KEY, created_at timestamptz NOT NULL DEFAULT now(), levels integer[] NOT NULL,
+    num_embeddings integer NOT NULL, centroids bytea NOT NULL, semantic_duplicates jsonb NOT NULL
+);
+"""
+
+MIGRATIONS = (_V1,)
+"""MIGRATIONS[i] takes a database from schema version i to i + 1."""
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def schema_version(conn) -> int:
+    """The database's schema version (0: never initialised)."""
+    exists = conn.execute("SELECT to_regclass('curation_schema') IS NOT NULL").fetchone()[0]
+    if not exists:
+        return 0
+    row = conn.execute("SELECT version FROM curation_schema").fetchone()
+    return row[0] if row else 0
+
+
+def check_version(conn, where: str) -> None:
+    """Refuse a database that is not initialised, or whose schema is newer than this code."""
+    version = schema_version(conn)
+    if version > SCHEMA_VERSION:
+        raise WarehouseError(f"{where} has curation schema version {version}, newer than this krea2 "
+                             f"(version {SCHEMA_VERSION}); upgrade krea2-diffusers to use it")
+    if version == 0:
+        raise WarehouseError(f"{where} holds no curation warehouse; create it with `krea2 curate init`")
+    if version < SCHEMA_VERSION:
+        raise WarehouseError(f"{where} has curation schema version {version}; run `krea2 curate init` to migrate "
+                             f"it to version {SCHEMA_VERSION}")
+
+
+def migrate(conn, where: str) -> tuple[int, int]:
+    """Bring the schema to :data:`SCHEMA_VERSION`; returns (version before, version after)."""
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+        conn.execute("CREATE TABLE IF NOT EXISTS curation_schema (version integer NOT NULL)")
+        before = schema_version(conn)
+        if before > SCHEMA_VERSION:
+            raise WarehouseError(f"{where} has curation schema version {before}, newer than this krea2 "
+                                 f"(version {SCHEMA_VERSION}); refusing to touch it")
+        for version in range(before, SCHEMA_VERSION):
+            conn.execute(MIGRATIONS[version])
+        conn.execute("DELETE FROM curation_schema")
+        conn.execute("INSERT INTO curation_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
+    return before, SCHEMA_VERSION

@@ -1,0 +1,86 @@
+"""The screening jobs ``probe`` and ``filter``: per-image work on claimed rows, one outcome per row.
+
+``probe`` reads the file (md5, size), checks the header (format, width, height) and decodes it
+fully; ``filter`` scores a thumbnail with the CPU filters and, for images that pass, computes the
+hashes that ``dedup`` compares. File problems that may be transient (missing, unreadable) are
+retryable errors; content problems (empty, not an image, truncated, absurd size) are final drops.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import warnings
+from pathlib import Path
+
+from PIL import Image, UnidentifiedImageError
+
+from .config import CurationConfig
+from .filters import scores, size_verdict, thumbnail, verdict
+from .hashing import colour_hash, perceptual_hash
+from .warehouse import Outcome
+
+FILE_SCHEME = "file://"
+
+
+def local_path(uri: str) -> Path:
+    """The local file of a ``file://`` URI or plain path (other schemes are not fetched)."""
+    if uri.startswith(FILE_SCHEME):
+        return Path(uri[len(FILE_SCHEME):])
+    if "://" in uri:
+        raise OSError(f"{uri}: only local paths and file:// URIs can be read")
+    return Path(uri)
+
+
+def _open(data: bytes) -> Image.Image:
+    # Our own size limit (ProbeConfig) replaces PIL's decompression-bomb check, so a huge header
+    # becomes a recorded drop instead of an exception or a warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+        try:
+            return Image.open(io.BytesIO(data))
+        finally:
+            Image.MAX_IMAGE_PIXELS = limit
+
+
+def probe_row(row: dict, config: CurationConfig) -> Outcome:
+    try:
+        data = local_path(row["uri"]).read_bytes()
+    except OSError as err:
+        return Outcome(row["id"], error=f"{type(err).__name__}: {err}")
+    values = {"md5": hashlib.md5(data).hexdigest(), "size_bytes": len(data)}
+    if not data:
+        return Outcome(row["id"], values, drop="empty_file", score=0.0, detail="zero-byte file")
+    try:
+        image = _open(data)
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as err:
+        return Outcome(row["id"], values, drop="not_an_image", detail=f"{type(err).__name__}: {err}")
+    values.update(format=image.format, width=image.width, height=image.height)
+    pixels = image.width * image.height
+    if pixels > config.probe.max_pixels or max(image.size) > config.probe.max_side:
+        return Outcome(row["id"], values, drop="too_large", score=float(max(image.size)),
+                       detail=f"header declares {image.width}x{image.height}; not decoded")
+    try:
+        image.load()  # a full decode: truncated or corrupt data fails here, not in training
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
+        return Outcome(row["id"], values, drop="broken", detail=f"{type(err).__name__}: {err}")
+    return Outcome(row["id"], values)
+
+
+def filter_row(row: dict, config: CurationConfig) -> Outcome:
+    size = size_verdict(row["width"], row["height"], config.filter)
+    if size is not None:
+        return Outcome(row["id"], drop=size[0], score=size[1])
+    try:
+        with _open(local_path(row["uri"]).read_bytes()) as image:
+            rgb = thumbnail(image, config.filter.analysis_side)
+    except OSError as err:
+        return Outcome(row["id"], error=f"{type(err).__name__}: {err}")
+    values = scores(rgb, config.filter)
+    failed = verdict(values, config.filter)
+    if failed is not None:
+        return Outcome(row["id"], {"filter_scores": values}, drop=failed[0], score=failed[1])
+    small = Image.fromarray(rgb)
+    return Outcome(row["id"], {"filter_scores": values, "phash": perceptual_hash(small, config.dedup.hash_size),
+                               "colour_hash": colour_hash(small, config.dedup.colour_grid)})

@@ -1,0 +1,130 @@
+"""A synthetic corpus with known answers, for the tests and the benchmark.
+
+Photograph-like images (smooth random fields, shapes, sensor noise), an illustration with a large
+flat background (must be kept), exact copies, recompressed and resized copies, colour variants
+(same luminance, other chroma: a perceptual hash alone cannot tell them apart), and every kind of
+bad file the filters must drop. :func:`make_corpus` returns each file's expected fate.
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+PHOTO_SIZE = (400, 320)
+
+
+def photo(rng: np.random.Generator, size: tuple[int, int] = PHOTO_SIZE) -> Image.Image:
+    """A smooth random colour field with a few shapes and mild noise (W, H = size)."""
+    w, h = size
+    coarse = rng.uniform(0, 255, (6, 8, 3)).astype(np.uint8)
+    base = np.asarray(Image.fromarray(coarse).resize((w, h), Image.Resampling.BICUBIC), dtype=np.float64)
+    image = Image.fromarray(np.clip(base, 0, 255).astype(np.uint8))
+    draw = ImageDraw.Draw(image)
+    for _ in range(6):
+        x0, y0 = rng.integers(0, w - 40), rng.integers(0, h - 40)
+        box = (int(x0), int(y0), int(x0 + rng.integers(20, 120)), int(y0 + rng.integers(20, 120)))
+        colour = tuple(int(c) for c in rng.integers(0, 255, 3))
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)(box, fill=colour)
+    pixels = np.asarray(image, dtype=np.float64) + rng.normal(0, 4, (h, w, 3))
+    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+
+
+def illustration(rng: np.random.Generator, size: tuple[int, int] = PHOTO_SIZE) -> Image.Image:
+    """A flat background (about 60% of the picture) with gradient-filled shapes well inside it."""
+    w, h = size
+    pixels = np.empty((h, w, 3), np.uint8)
+    pixels[:] = (236, 228, 210)
+    ys, xs = np.mgrid[0:h, 0:w]
+    for cx, cy, r in ((w * 0.35, h * 0.5, h * 0.3), (w * 0.68, h * 0.45, h * 0.25)):
+        inside = (xs - cx) ** 2 + (ys - cy) ** 2 < r ** 2
+        colour = rng.uniform(0, 255, 3)
+        shade = ((xs - cx + r) / (2 * r))[..., None] * np.array([120, 40, -80]) + colour
+        pixels[inside] = np.clip(shade[inside], 0, 255).astype(np.uint8)
+    return Image.fromarray(pixels)
+
+
+def colour_variant(image: Image.Image) -> Image.Image:
+    """Same luminance, chroma mirrored (Cb, Cr -> 255 - Cb, 255 - Cr): other colours, same structure."""
+    ycc = np.asarray(image.convert("YCbCr")).copy()
+    ycc[..., 1:] = 255 - ycc[..., 1:]
+    return Image.fromarray(ycc, "YCbCr").convert("RGB")
+
+
+def huge_png_header(width: int, height: int) -> bytes:
+    """A PNG whose header declares width x height (with a tiny, useless IDAT): must never be decoded."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
+
+
+def _jpeg(image: Image.Image, quality: int) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=quality)
+    return buffer.getvalue()
+
+
+def make_corpus(folder: str | Path, photos: int = 6, seed: int = 0, bad: bool = True) -> dict[str, str]:
+    """Write the corpus into ``folder``; returns file name -> expected outcome: ``"kept"``, a drop
+    reason, or ``"failed"``. Names sort so that each original is ingested before its copies."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    expected: dict[str, str] = {}
+
+    def save(name: str, data: bytes, fate: str) -> Path:
+        (folder / name).write_bytes(data)
+        expected[name] = fate
+        return folder / name
+
+    for i in range(photos):
+        picture = photo(rng)
+        original = save(f"p{i:03d}_a.png", _png(picture), "kept")
+        if i % 3 == 0:  # exact copy (same bytes)
+            shutil.copyfile(original, folder / f"p{i:03d}_b_copy.png")
+            expected[f"p{i:03d}_b_copy.png"] = "exact_duplicate"
+        if i % 3 == 1:  # recompressed JPEG, same size
+            save(f"p{i:03d}_c_recompressed.jpg", _jpeg(picture, 70), "near_duplicate")
+        if i % 3 == 2:  # downscaled to 80% (still above min_side)
+            small = picture.resize((PHOTO_SIZE[0] * 4 // 5, PHOTO_SIZE[1] * 4 // 5), Image.Resampling.LANCZOS)
+            save(f"p{i:03d}_d_resized.jpg", _jpeg(small, 90), "near_duplicate")
+        if i % 2 == 0:  # colour variant: kept apart
+            save(f"p{i:03d}_e_colour.png", _png(colour_variant(picture)), "kept")
+    save("q_illustration.png", _png(illustration(rng)), "kept")
+    if not bad:
+        return expected
+    flat = np.full((320, 400, 3), (90, 120, 160), np.uint8)
+    flat[150:160, 190:200] = (250, 10, 10)
+    save("r_flat.png", _png(Image.fromarray(flat)), "flat")
+    framed = np.full((320, 400, 3), 255, np.uint8)
+    framed[40:280, 40:360] = np.asarray(photo(rng, (320, 240)))
+    save("r_bordered.png", _png(Image.fromarray(framed)), "border")
+    letterbox = np.zeros((320, 400, 3), np.uint8)
+    letterbox[50:270] = np.asarray(photo(rng, (400, 220)))
+    save("r_letterbox.jpg", _jpeg(Image.fromarray(letterbox), 92), "border")
+    save("r_noise.png", _png(Image.fromarray(rng.integers(0, 256, (320, 400, 3), dtype=np.uint8))), "noise")
+    save("r_blank.png", _png(Image.new("RGB", (400, 320), (255, 255, 255))), "black_white")
+    save("r_tiny.png", _png(photo(rng, (64, 48))), "too_small")
+    save("r_1x1.png", _png(Image.new("RGB", (1, 1), (10, 20, 30))), "too_small")
+    save("r_strip.png", _png(photo(rng, (1200, 300))), "aspect_ratio")
+    save("r_huge_header.png", huge_png_header(100_000, 100_000), "too_large")
+    save("r_zero.jpg", b"", "empty_file")
+    save("r_text.png", b"this is not an image, just text with an image extension\n", "not_an_image")
+    save("r_truncated.jpg", _jpeg(photo(rng), 90)[:4000], "broken")
+    (folder / "r_missing.jpg").symlink_to(folder / "does-not-exist.jpg")
+    expected["r_missing.jpg"] = "failed"
+    return expected
+
+
+def _png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", compress_level=1)
+    return buffer.getvalue()

@@ -1,0 +1,340 @@
+"""Curation warehouse: the pinned CLI, filter/dedup verdicts on a corpus with known answers, a crash
+of one of three parallel workers, retries, bad input, and export into a krea2-pack-v1 pack.
+
+One embedded Postgres (pgserver) serves the whole module; each case that needs a clean warehouse
+gets its own database on it (``--dsn``), the pinned ``--db DIR`` form attaches to the running server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psycopg
+import pytest
+
+from curation.dedup import HashIndex
+from curation.hashing import hash_int
+from curation.server import EmbeddedServer
+from curation.synthetic import make_corpus
+from krea2_diffusers.cli import main as krea2
+
+FAST_QUEUE = "queue: {max_attempts: 2, backoff_s: 0.0, poll_s: 0.1}\n"
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("curation") / "db"
+    handle = EmbeddedServer(folder, create=True)
+    yield handle
+    handle.close()
+
+
+def _database(server, name: str) -> str:
+    with psycopg.connect(server.uri("postgres"), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return server.uri(name)
+
+
+def _rows(dsn: str, sql: str, params=()) -> list[dict]:
+    with psycopg.connect(dsn) as conn:
+        cur = conn.execute(sql, params)
+        names = [d.name for d in cur.description]
+        return [dict(zip(names, r)) for r in cur.fetchall()]
+
+
+def _cli_raw(capsys, *argv) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = krea2([*map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _cli(capsys, *argv) -> tuple[int, str, str]:
+    return _cli_raw(capsys, "curate", *argv)
+
+
+def test_corpus_verdicts_status_and_export(server, tmp_path, capsys):
+    corpus = tmp_path / "corpus"
+    expected = make_corpus(corpus, photos=6)
+    (corpus / "p000_a.txt").write_text("a red kite over a field")
+    config = tmp_path / "curate.yaml"
+    config.write_text(FAST_QUEUE)
+    db = server.folder  # the pinned --db form, attached to the running server
+
+    assert _cli(capsys, "init", "--db", db)[0] == 0
+    code, out, _ = _cli(capsys, "ingest", corpus, corpus, "--db", db)
+    assert code == 0 and json.loads(out) == {"new": len(expected), "known": 0, "repeated": len(expected)}
+    assert json.loads(_cli(capsys, "ingest", corpus, "--db", db)[1]) == {"new": 0, "known": len(expected), "repeated": 0}
+    code, out, err = _cli(capsys, "work", "--db", db, "--jobs", "probe,filter,dedup", "--batch", "4", "--config", config)
+    assert code == 0, err
+
+    rows = {Path(r["uri"]).name: r for r in _rows(server.dsn, "SELECT * FROM images")}
+    assert set(rows) == set(expected)
+    assert not [n for n, r in rows.items() if r["status"] not in ("kept", "dropped", "failed")]
+    fates = {n: r["status"] if r["status"] in ("kept", "failed") else r["drop_reason"] for n, r in rows.items()}
+    assert fates == expected
+    assert rows["p000_a.png"]["source_text"] == "a red kite over a field"
+    assert "FileNotFoundError" in rows["r_missing.jpg"]["probe_error"] and rows["r_missing.jpg"]["probe_attempts"] == 2
+    assert "truncated" in rows["r_truncated.jpg"]["probe_error"]
+    assert rows["r_huge_header.png"]["width"] == 100_000 and rows["r_huge_header.png"]["filter_done_at"] is None
+
+    # Duplicates point at their original (the largest, then the first ingested); colour variants
+    # stay apart although their perceptual hashes alone are within the near-duplicate distance.
+    for name, fate in expected.items():
+        if fate in ("exact_duplicate", "near_duplicate"):
+            original = rows[name[:4] + "_a.png"]
+            assert rows[name]["duplicate_of"] == original["id"] == rows[name]["dedup_group"], name
+    for name in (n for n in expected if n.endswith("_e_colour.png")):
+        original = rows[name[:4] + "_a.png"]
+        assert rows[name]["dedup_group"] != original["dedup_group"]
+        distance = (hash_int(bytes(rows[name]["phash"])) ^ hash_int(bytes(original["phash"]))).bit_count()
+        assert distance <= 16, f"{name}: the colour variant should fool a perceptual hash alone ({distance} bits)"
+
+    code, out, _ = _cli(capsys, "status", "--db", db, "--json")
+    status = json.loads(out)
+    kept = sum(f == "kept" for f in expected.values())
+    assert status["images"] == len(expected) and status["kept"] == kept and status["failed"] == 1
+    assert status["dropped"]["near_duplicate"] == sum(f == "near_duplicate" for f in expected.values())
+    assert set(status["jobs"]) >= {"probe", "filter", "dedup"}
+    for job in ("probe", "filter", "dedup"):
+        assert set(status["jobs"][job]) >= {"done", "claimable", "failed", "rows_per_s"}
+        assert status["jobs"][job]["claimable"] == 0
+    assert status["jobs"]["caption"]["claimable"] == kept  # the autoscaling signal of the next job
+    prometheus = _cli(capsys, "status", "--db", db, "--prometheus")[1]
+    assert f'krea2_curate_job_claimable{{job="caption"}} {kept}' in prometheus
+
+    from finetune.packs import PackReader
+
+    code, out, err = _cli(capsys, "export", tmp_path / "pack", "--db", db, "--resolution", 128, "--batch-size", 2)
+    assert code == 0, err
+    reader = PackReader(tmp_path / "pack")
+    assert reader.info.resolution == 128 and reader.info.batch_size == 2
+    packed = reader.rows(0, len(reader), ["source", "caption_long", "width", "height"])
+    assert sorted(Path(r["source"]).name for r in packed) == sorted(n for n, f in expected.items() if f == "kept")
+    assert {r["caption_long"] for r in packed if r["source"].endswith("p000_a.png")} == {"a red kite over a field"}
+    for start in range(0, len(packed) - 1, 2):
+        assert (packed[start]["width"], packed[start]["height"]) == (packed[start + 1]["width"], packed[start + 1]["height"])
+    # krea2 pretrain accepts the export as a stage's pack (checked by its dry run, nothing trained).
+    pretrain = tmp_path / "pretrain.yaml"
+    pretrain.write_text(f"output_dir: {tmp_path / 'run'}\n"
+                        "model: {architecture: tiny, init: scratch, text_encoder: tiny-random, vae: tiny-random}\n"
+                        f"stages:\n  - {{name: s128, data: {tmp_path / 'pack'}, resolution: 128, batch_size: 2, steps: 2}}\n")
+    code, out, err = _cli_raw(capsys, "pretrain", pretrain, "--dry-run")
+    assert code == 0, err
+    assert f"pack {tmp_path / 'pack'} ({len(packed)} rows" in out
+
+
+def test_three_workers_one_killed(server, tmp_path):
+    """Three worker processes; one is killed -9 while it holds a batch. The queue drains, every row
+    gets a status, and the claim log shows no row claimed by two live workers at once."""
+    dsn = _database(server, "workers")
+    corpus = tmp_path / "corpus"
+    expected = make_corpus(corpus, photos=18, seed=1)
+    config = tmp_path / "curate.yaml"
+    config.write_text(FAST_QUEUE)
+    assert krea2(["curate", "init", "--dsn", dsn]) == 0
+    assert krea2(["curate", "ingest", str(corpus), "--dsn", dsn]) == 0
+
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    def worker(batch: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "curation", "work", "--dsn", dsn, "--jobs", "probe,filter,dedup",
+                                 "--batch", str(batch), "--claim-log", "--config", str(config)],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    victim = worker(batch=12)
+    others = [worker(batch=2), worker(batch=2)]
+    killed_at = None
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        deadline = time.monotonic() + 120
+        while killed_at is None and time.monotonic() < deadline and victim.poll() is None:
+            held = conn.execute("SELECT count(*) FROM claim_log WHERE worker LIKE %s AND released_at IS NULL",
+                                (f"%:{victim.pid}",)).fetchone()[0]
+            if held:
+                killed_at = conn.execute("SELECT clock_timestamp()").fetchone()[0]
+                os.kill(victim.pid, signal.SIGKILL)
+            else:
+                time.sleep(0.01)
+    assert killed_at is not None, "the victim never held a batch (it finished or never started)"
+    victim.wait()
+    for process in others:
+        assert process.wait(timeout=180) == 0, process.stderr.read().decode()
+
+    rows = _rows(dsn, "SELECT uri, status, drop_reason FROM images")
+    assert len(rows) == len(expected)
+    fates = {Path(r["uri"]).name: r["status"] if r["status"] in ("kept", "failed") else r["drop_reason"] for r in rows}
+    assert fates == expected
+
+    claims = _rows(dsn, "SELECT job, image_id, worker, claimed_at, released_at FROM claim_log ORDER BY job, image_id, claimed_at")
+    abandoned = [c for c in claims if c["released_at"] is None]
+    assert abandoned and all(c["worker"].endswith(f":{victim.pid}") for c in abandoned)
+    by_row: dict[tuple, list[dict]] = {}
+    for claim in claims:
+        by_row.setdefault((claim["job"], claim["image_id"]), []).append(claim)
+    for key, history in by_row.items():
+        for first, second in zip(history, history[1:]):
+            if first["released_at"] is not None:
+                assert first["released_at"] <= second["claimed_at"], f"{key} claimed by two live workers: {history}"
+            else:  # the killed worker's claim: only taken over after the kill
+                assert second["claimed_at"] > killed_at, f"{key} taken over before the kill: {history}"
+        assert history[-1]["released_at"] is not None, f"{key} never finished: {history}"
+    # the abandoned rows came back and were finished by the survivors
+    assert {(c["job"], c["image_id"]) for c in abandoned} <= {k for k, h in by_row.items() if len(h) > 1}
+
+
+def test_bad_connections_schema_and_backoff(server, tmp_path, capsys):
+    code, _, err = _cli(capsys, "status", "--dsn", "postgresql://curator@127.0.0.1:1/warehouse_x")
+    assert code == 2 and "127.0.0.1" in err and "warehouse_x" in err and "Traceback" not in err
+    code, _, err = _cli(capsys, "status", "--db", tmp_path / "nothing-here")
+    assert code == 2 and "no warehouse" in err and "krea2 curate init" in err
+
+    dsn = _database(server, "schema")
+    code, _, err = _cli(capsys, "status", "--dsn", dsn)
+    assert code == 2 and "krea2 curate init" in err
+    assert _cli(capsys, "init", "--dsn", dsn)[0] == 0
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("UPDATE curation_schema SET version = 99")
+    for command in ("status", "init"):
+        code, _, err = _cli(capsys, command, "--dsn", dsn)
+        assert code == 2 and "newer" in err and "99" in err
+
+    # A failing row waits out its back-off, then fails for good after max_attempts (error kept).
+    from curation.config import QueueConfig
+    from curation.warehouse import Outcome, open_warehouse
+
+    dsn = _database(server, "backoff")
+    with open_warehouse(dsn=dsn, create=True, queue=QueueConfig(max_attempts=2, backoff_s=0.5)) as warehouse:
+        (tmp_path / "a.png").write_bytes(b"")
+        manifest = tmp_path / "list.jsonl"
+        manifest.write_text('{"path": "a.png"}\n{"path": "a.png"}\n')
+        from curation.sources import ingest_records
+
+        assert warehouse.ingest(ingest_records(manifest)) == {"new": 1, "known": 0, "repeated": 1}
+        (row,) = warehouse.claim("probe", 10)
+        assert warehouse.claim("probe", 10) == []  # claimed by a live worker (us)
+        warehouse.write("probe", [Outcome(row["id"], error="OSError: storage hiccup")])
+        assert warehouse.claim("probe", 10) == [] and warehouse.waiting(["probe"])
+        time.sleep(0.6)
+        (row,) = warehouse.claim("probe", 10)
+        warehouse.write("probe", [Outcome(row["id"], error="OSError: still down")])
+        assert not warehouse.waiting(["probe"])
+        status = warehouse.status()
+        assert status["failed"] == 1 and status["jobs"]["probe"]["failed"] == 1
+        final = _rows(dsn, "SELECT status, drop_reason, probe_error, probe_attempts FROM images")[0]
+        assert final == {"status": "failed", "drop_reason": "failed:probe", "probe_error": "OSError: still down",
+                         "probe_attempts": 2}
+
+
+def test_hash_index_matches_brute_force():
+    """Multi-index hashing finds exactly the hashes a full scan finds within the distance."""
+    rng = np.random.default_rng(0)
+    bits, distance = 144, 16
+    base = [int.from_bytes(rng.bytes(18), "big") for _ in range(400)]
+    planted = []
+    for value in base[:100]:  # near neighbours at 0..distance+3 flipped bits
+        flips = rng.choice(bits, size=int(rng.integers(0, distance + 4)), replace=False)
+        planted.append(value ^ sum(1 << int(b) for b in flips))
+    everything = base + planted
+    for bands in (6, 9):  # radius 2 and radius 1 per band
+        index = HashIndex(bits, bands=bands, max_distance=distance)
+        for key, value in enumerate(everything):
+            index.add(key, value)
+        for query in everything[::7]:
+            brute = sorted((k, (v ^ query).bit_count()) for k, v in enumerate(everything) if (v ^ query).bit_count() <= distance)
+            assert sorted(index.query(query)) == brute
+
+
+def test_semantic_duplicates_inside_leaves():
+    from curation.clusters import semantic_duplicates
+
+    vectors = np.array([[1, 0, 0], [0.999, 0.0447, 0], [0, 1, 0], [0.6, 0.8, 0], [1, 0, 0]], dtype=np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    leaves = [(0,), (0,), (0,), (0,), (1,)]  # image 4 equals image 0 but lives in another leaf
+    order = [(-10, 0), (-20, 1), (-10, 2), (-10, 3), (-10, 4)]  # image 1 is the largest
+    found = semantic_duplicates(vectors, leaves, order, threshold=0.95)
+    assert set(found) == {0} and found[0][0] == 1 and found[0][1] == pytest.approx(float(vectors[0] @ vectors[1]))
+
+
+def test_run_workers_then_captions_embeddings_clusters(server, tmp_path, capsys):
+    dsn = _database(server, "models")
+    corpus = tmp_path / "corpus"
+    expected = make_corpus(corpus, photos=1, seed=2, bad=False)  # 3 kept: captioning is the slow part
+    for name in expected:
+        (corpus / name).with_suffix(".txt").write_text(f"source text of {name}")
+    config = tmp_path / "curate.yaml"
+    config.write_text(FAST_QUEUE + "caption: {model: tiny-random, max_new_tokens: 4, rewrite_max_new_tokens: 3, "
+                      "max_pixels: 4096}\ncluster: {levels: [2, 1], semantic_threshold: -1.0}\n")
+    store = tmp_path / "store"
+    assert krea2(["curate", "init", "--dsn", dsn]) == 0
+    assert krea2(["curate", "ingest", str(corpus), "--dsn", dsn]) == 0
+    code, _, err = _cli(capsys, "run", "--dsn", dsn, "--workers", 2, "--batch", 2, "--config", config, "--no-progress")
+    assert code == 0, err
+    kept = _rows(dsn, "SELECT id, uri, width::bigint * height AS area FROM images WHERE status = 'kept' ORDER BY id")
+    assert sorted(Path(r["uri"]).name for r in kept) == sorted(n for n, f in expected.items() if f == "kept")
+
+    code, out, err = _cli(capsys, "work", "--dsn", dsn, "--store", store, "--jobs", "caption,embed,cluster",
+                          "--batch", 3, "--config", config)
+    assert code == 0, err
+    rows = _rows(dsn, "SELECT * FROM images WHERE dedup_done_at IS NOT NULL AND duplicate_of IS NULL ORDER BY id")
+    assert len(rows) == len(kept)
+    for row in rows:
+        assert all(row[c] for c in ("caption_long", "caption_medium", "caption_short")), row["uri"]
+        vector = np.load(row["embedding_path"])[row["embedding_row"]]
+        assert Path(row["embedding_path"]).parent == store / "embeddings"
+        assert np.linalg.norm(vector) == pytest.approx(1.0, abs=1e-5)
+        assert len(row["cluster_ids"]) == 2 and row["cluster_ids"][1] == 0
+    # Threshold -1: every leaf keeps only its largest (then oldest) image, the rest point at it.
+    leaves: dict[tuple, list[dict]] = {}
+    for row in rows:
+        leaves.setdefault(tuple(row["cluster_ids"]), []).append(row)
+    for members in leaves.values():
+        keeper = max(members, key=lambda r: (r["width"] * r["height"], -r["id"]))
+        for row in members:
+            if row is keeper:
+                assert row["status"] == "kept"
+            else:
+                assert (row["status"], row["drop_reason"], row["semantic_duplicate_of"]) == (
+                    "dropped", "semantic_duplicate", keeper["id"])
+
+    code, out, err = _cli(capsys, "export", tmp_path / "pack", "--dsn", dsn, "--resolution", 64, "--batch-size", 1,
+                          "--balance", "clusters", "--per-cluster", 1)
+    assert code == 0, err
+    from finetune.packs import PackReader
+
+    reader = PackReader(tmp_path / "pack")
+    packed = reader.rows(0, len(reader), ["caption_long", "caption_short", "metadata"])
+    assert len(packed) == len(leaves)
+    assert sorted(tuple(json.loads(r["metadata"])["cluster_ids"]) for r in packed) == sorted(leaves)
+    assert all(r["caption_long"] and r["caption_short"] for r in packed)
+
+
+def test_larger_late_arrival_takes_over_its_group(server, tmp_path, capsys):
+    from PIL import Image
+
+    from curation.synthetic import photo
+
+    dsn = _database(server, "takeover")
+    picture = photo(np.random.default_rng(5))
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    picture.resize((320, 256), Image.Resampling.LANCZOS).save(first / "small.jpg", quality=90)
+    picture.save(second / "large.png")
+    config = tmp_path / "curate.yaml"
+    config.write_text(FAST_QUEUE)
+    assert _cli(capsys, "init", "--dsn", dsn)[0] == 0
+    for folder in (first, second):
+        assert _cli(capsys, "ingest", folder, "--dsn", dsn)[0] == 0
+        assert _cli(capsys, "work", "--dsn", dsn, "--config", config)[0] == 0
+    rows = {Path(r["uri"]).name: r for r in _rows(dsn, "SELECT * FROM images")}
+    assert rows["large.png"]["status"] == "kept" and rows["large.png"]["duplicate_of"] is None
+    assert (rows["small.jpg"]["status"], rows["small.jpg"]["drop_reason"], rows["small.jpg"]["duplicate_of"]) == (
+        "dropped", "near_duplicate", rows["large.png"]["id"])
