@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,11 +32,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("curation") / "db"
-    handle = EmbeddedServer(folder, create=True)
+def server():
+    # Not under pytest's tmp_path: run as root, Postgres runs as another user that must traverse
+    # the parents, and every pytest session resets /tmp/pytest-of-<user> to 0700.
+    folder = Path(tempfile.mkdtemp(prefix="krea2-curation-"))
+    handle = EmbeddedServer(folder / "db", create=True)
     yield handle
     handle.close()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _database(server, name: str) -> str:
@@ -146,7 +151,9 @@ def test_three_workers_one_killed(server, tmp_path):
 
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     def worker(batch: int) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "curation", "work", "--dsn", dsn, "--jobs", "probe,filter,dedup",
+        # `krea2 curate work`, the pinned command (the krea2 console script is this module's main)
+        return subprocess.Popen([sys.executable, "-m", "krea2_diffusers.cli", "curate", "work", "--dsn", dsn,
+                                 "--jobs", "probe,filter,dedup",
                                  "--batch", str(batch), "--claim-log", "--config", str(config)],
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
