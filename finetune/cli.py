@@ -1,4 +1,4 @@
-"""``krea2 train CONFIG.yaml [--output-dir DIR] [--resume] [key=value ...]``: LoRA or full fine-tune.
+"""``krea2 train CONFIG.yaml [--output-dir DIR] [--resume] [--dry-run] [key=value ...]``: LoRA or full fine-tune.
 
 Runs in one process, or in several under ``accelerate launch`` / ``torchrun`` (the same command
 with ``python -m finetune``).
@@ -20,6 +20,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("config", help="YAML training config")
     parser.add_argument("--output-dir", help="run folder (overrides output_dir in the config)")
     parser.add_argument("--resume", action="store_true", help="continue the run in the output folder from its last checkpoint")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="set the run up on the meta device and print the memory plan per process; trains nothing")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="config overrides, e.g. training.max_steps=500 optimizer.learning_rate=3e-4")
     return allow_intermixed(parser)
@@ -54,6 +56,11 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"output_dir={args.output_dir}")
     config = load_config(args.config, overrides)
     logging.getLogger("finetune").setLevel(logging.INFO)
+    if getattr(args, "dry_run", False):
+        from .dryrun import dry_run
+
+        dry_run(config)
+        return 0
     try:
         result = train(config, resume=args.resume)
     except NonFiniteLossError as err:  # not a usage error: its own exit code, no traceback

@@ -61,10 +61,13 @@ def lora_config(out, cache, **overrides) -> dict:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # module-scoped: set up before the function-scoped one_thread fixture
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(finetune.data.encoding, "encode_images", pooled_latents)
         trainer = Trainer(build_config(lora_config(root / "run", root / "cache")))
         result = trainer.train()
+    torch.set_num_threads(threads)
     return trainer, result
 
 

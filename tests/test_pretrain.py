@@ -158,9 +158,11 @@ def test_kill_9_in_stage_2_then_resume_gives_the_uninterrupted_losses(run):
     root, out = run
     resumed = root / "resumed"
     shutil.copytree(out, resumed)  # the run as it stood at its step-28 checkpoint (inside stage 2)
-    for path in resumed.glob("checkpoints/step-*"):
-        if int(path.name.split("-")[1]) > 28:
-            shutil.rmtree(path)
+    for path in [*resumed.glob("checkpoints/step-*"), *resumed.glob("pma/step-*")]:
+        if int(path.name.split("-")[1].split(".")[0]) > 28:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    metrics = resumed / "metrics.jsonl"
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= 28))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     args = [sys.executable, "-m", "finetune.pretrain", str(root / "config.yaml"), "--output-dir", str(resumed),
             "--resume", "logging.progress_bar=false", "logging.tensorboard=false"]
@@ -173,6 +175,7 @@ def test_kill_9_in_stage_2_then_resume_gives_the_uninterrupted_losses(run):
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert process.returncode == -signal.SIGKILL, process.stderr.read().decode()[-2000:]
+    assert 30 <= max(_metrics(resumed)) < 36  # killed while training stage 2
     assert not (resumed / "checkpoints/step-36").exists()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

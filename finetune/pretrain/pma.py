@@ -4,13 +4,14 @@ written as ``<output_dir>/pma/step-<N>.safetensors`` with the transformer's diff
 It replaces an EMA, which would keep a second full copy of the weights on every GPU: the saved
 checkpoints already are the snapshots. The mean is computed on the main process from the DCP
 checkpoints, a bounded chunk of tensors at a time, so it never holds more than the accumulator
-plus one chunk. The file's metadata ``pma_steps`` lists the averaged checkpoints' steps (JSON).
+plus one chunk, on a background thread (:class:`BackgroundPMA`) while training goes on. The file's metadata ``pma_steps`` lists the averaged checkpoints' steps (JSON).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import warnings
 from pathlib import Path
 
@@ -88,3 +89,31 @@ def write_pma(checkpoints: list[tuple[int, Path]], out_dir: Path, step: int, num
     save_safetensors(weights, path, metadata={"pma_steps": json.dumps([s for s, _ in chosen]), "format": "pt"})
     logger.info("PMA %s: mean of checkpoints %s", path, [s for s, _ in chosen])
     return path
+
+
+class BackgroundPMA:
+    """Runs :func:`write_pma` on a thread; :meth:`wait` joins it and re-raises its error."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self, *args) -> None:
+        self.wait()
+
+        def run() -> None:
+            try:
+                write_pma(*args)
+            except BaseException as err:  # surfaced by wait(), on the training thread
+                self._error = err
+
+        self._thread = threading.Thread(target=run, name="pma", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error

@@ -9,6 +9,7 @@ stage starts from its weights (and, with ``keep_optimizer_state``, its optimizer
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -31,7 +32,7 @@ from .architecture import build_meta_transformer, check_fp8_available, convert_t
 from .batches import StageBatches, StepData, open_stage_pack
 from .config import PretrainConfig
 from .optimizers import make_optimizers, set_learning_rate
-from .pma import write_pma
+from .pma import BackgroundPMA
 from .runtime import PretrainRuntime, make_runtime, model_only_load
 
 logger = logging.getLogger("finetune")
@@ -66,6 +67,7 @@ class Pretrainer:
         self.out = Path(config.output_dir)
         self.runtime: PretrainRuntime = make_runtime()
         self.ckpt_dir = self.out / "checkpoints"
+        self.pma_writer = BackgroundPMA()
 
     # ------------------------------------------------------------------ checks before any model loads
     def _check_run_dir(self) -> None:
@@ -190,7 +192,7 @@ class Pretrainer:
             gh, gw = latents.shape[2] // 2, latents.shape[3] // 2
             positions = position_ids(embeds.shape[1], gh, gw, device=runtime.device)
             noisy = add_noise(x0, noise, t)
-            capture = repa_mod.capture_block_output(self.blocks[stage.repa.block]) if repa_on else _no_capture()
+            capture = repa_mod.capture_block_output(self.blocks[stage.repa.block]) if repa_on else contextlib.nullcontext()
             with runtime.autocast(), capture as box:
                 pred = self.model(hidden_states=noisy, encoder_hidden_states=embeds, timestep=t, position_ids=positions,
                                   encoder_attention_mask=mask, return_dict=False)[0]
@@ -239,14 +241,16 @@ class Pretrainer:
         )
 
     def save(self, step: int, stage_name: str) -> None:
+        """Checkpoint; then, when due, start the PMA average on the main process in the background
+        (it reads finished checkpoints from disk while training goes on; the next save waits for
+        it first, so pruning never deletes a checkpoint it is reading)."""
+        self.pma_writer.wait()
         self.checkpointer.save(step, self.model, self.optimizers, trainable_only=False,
                                train_state={"stage": stage_name, "fingerprint": fingerprint(self.config)})
         self.checkpointer.wait()
         pma = self.config.pma
-        if pma.every_n_steps and step % pma.every_n_steps == 0:
-            if self.runtime.is_main:
-                write_pma(list_checkpoints(self.ckpt_dir), self.out, step, pma.num_checkpoints)
-            self.runtime.barrier()
+        if pma.every_n_steps and step % pma.every_n_steps == 0 and self.runtime.is_main:
+            self.pma_writer.start(list_checkpoints(self.ckpt_dir), self.out, step, pma.num_checkpoints)
 
     def train(self) -> PretrainResult:
         config, runtime = self.config, self.runtime
@@ -287,15 +291,8 @@ class Pretrainer:
             result.final_step = step
         finally:
             metrics.close()
+            self.pma_writer.wait()
         return result
-
-
-class _no_capture:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def pretrain(config: PretrainConfig, resume: bool = False) -> PretrainResult:
