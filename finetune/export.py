@@ -71,7 +71,8 @@ def _groups(path: Path, names: list[str], shapes: dict, dtype: torch.dtype | Non
 def export_lora(path: Path, out_dir: Path, state: dict, formats: list[str], trigger_words: list[str]) -> list[Path]:
     """LoRA files from a LoRA run's checkpoint (its model part holds only the adapters)."""
     shapes = model_tensors(path)
-    trainable = read_model_tensors(path, sorted(shapes), shapes)
+    # The model part holds the adapters, plus small frozen buffers (e.g. fp8 row scales).
+    trainable = read_model_tensors(path, sorted(n for n in shapes if ".lora_" in n), shapes)
     lora = state["lora"]
     layers = lora_layers_from_diffusers_state_dict(trainable, alpha=lora["alpha"], rank=lora["rank"])
     written = []

@@ -179,10 +179,10 @@ def test_lora_on_fp8_base_is_a_quarter_of_fp32_learns_like_bf16_and_exports_for_
     cache = tmp_path / "cache"
     runs = {}
     for quantize in ("none", "fp8"):
-        config = _config(tmp_path / quantize, cache, model, method="lora", max_steps=30, batch_size=2)
+        config = _config(tmp_path / quantize, cache, model, method="lora", max_steps=12, batch_size=2)
         config["model"].update(dtype="bfloat16", quantize=quantize)
         config["lora"] = {"rank": 8, "alpha": 8}
-        config["optimizer"]["learning_rate"] = 2e-3
+        config["optimizer"]["learning_rate"] = 4e-3
         config["checkpointing"]["every_n_steps"] = 0
         trainer = Trainer(build_config(config))
         result = trainer.train()
