@@ -134,6 +134,11 @@ def keep_known(latents: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, rep
 class ImageStart:
     """Where image-to-image sampling starts instead of pure noise.
 
+    Passed as ``Krea2Pipeline.__call__(..., image_start=...)`` (the img2img and inpainting pipelines
+    build it). The run starts at the first time of the (custom or default) schedule after
+    :func:`truncate_for_strength`; so ComfyUI's ``denoise`` d over S steps is
+    ``sigmas=<the last S points of a round(S / d)-step grid>`` with ``strength=1``.
+
     Attributes:
         image_latents: (K, N, 64) packed model latents x0 of the input image(s) (normalised, as
             ``latents.encode_images`` returns them; the posterior mode for an encoded image); K is 1

@@ -64,3 +64,15 @@ def test_bitsandbytes_kernel_notice_is_filtered():
     other = logger.makeRecord(logger.name, logging.WARNING, __file__, 1, "something else", (), None)
     assert krea2_diffusers.BITSANDBYTES_NOISE
     assert not logger.filter(notice) and logger.filter(other)
+
+
+def test_torch_floor_has_the_public_fully_shard():
+    """finetune/ uses FSDP2's public ``torch.distributed.fsdp.fully_shard`` (torch >= 2.6)."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (torch_req,) = [Requirement(r) for r in project["dependencies"] if Requirement(r).name == "torch"]
+    assert not torch_req.specifier.contains(Version("2.5.1")) and torch_req.specifier.contains(Version("2.6.0"))
