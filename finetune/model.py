@@ -13,11 +13,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def load_pipeline(name_or_path: str, dtype: str, device: torch.device) -> Krea2Pipeline:
     """``tiny-random``, a diffusers-format folder / hub id, or a single original-layout file."""
-    torch_dtype = DTYPES[dtype]
-    if Path(name_or_path).suffix in (".safetensors", ".gguf"):
-        pipe = Krea2Pipeline.from_single_file(name_or_path, torch_dtype=torch_dtype)
-    else:
-        pipe = Krea2Pipeline.from_pretrained(name_or_path, torch_dtype=torch_dtype)
+    from krea2_diffusers.assembly import load_pipeline as load
+
+    pipe = load(Krea2Pipeline, name_or_path, torch_dtype=DTYPES[dtype])
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 

@@ -1,0 +1,117 @@
+"""ComfyUI's scaled-fp8 checkpoint FORMAT: reading it (keep fp8 + scales, or dequantize) and writing it.
+
+A layer ``L`` stored in fp8 has ``L.weight`` (float8_e4m3fn) and a float32 scalar ``L.weight_scale``
+(dequantized weight = fp8 * scale), optionally ``L.input_scale`` (activation scale; unused for
+bf16 compute). Which layers are fp8 is declared by one of:
+
+- safetensors metadata ``_quantization_metadata`` = ``{"format_version": "1.0", "layers": {L: {"format": "float8_e4m3fn"}}}``;
+- a ``L.comfy_quant`` uint8 tensor holding that per-layer JSON (ComfyUI's in-file variant);
+- the older form: ``L.scale_weight`` (and ``L.scale_input``) plus a ``scaled_fp8`` marker tensor.
+
+The runtime layer is :class:`krea2_diffusers.fp8.Fp8Linear`; this module only knows the file format.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Callable, Mapping
+
+import torch
+
+from ..files import CheckpointError
+
+FORMAT_KEY = "_quantization_metadata"
+FORMAT_VERSION = "1.0"
+FP8_FORMAT = "float8_e4m3fn"
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+SAFETENSORS_FP8 = "F8_E4M3"
+# Tensor-name endings that are format bookkeeping, not model weights, and the marker of the old form.
+WEIGHT_SCALE, INPUT_SCALE, LAYER_CONF = ".weight_scale", ".input_scale", ".comfy_quant"
+OLD_WEIGHT_SCALE, OLD_INPUT_SCALE, OLD_MARKER = ".scale_weight", ".scale_input", "scaled_fp8"
+_AUXILIARY = (WEIGHT_SCALE, INPUT_SCALE, LAYER_CONF, OLD_WEIGHT_SCALE, OLD_INPUT_SCALE)
+
+
+def is_auxiliary(name: str) -> bool:
+    """Whether tensor ``name`` is part of the fp8 format (a scale, a layer config or the old marker)."""
+    return name.endswith(_AUXILIARY) or name == OLD_MARKER or name.endswith("." + OLD_MARKER)
+
+
+def is_scaled_fp8(header: Mapping[str, dict], metadata: Mapping[str, str]) -> bool:
+    """Whether a safetensors header (entries with "dtype") describes a ComfyUI fp8 file."""
+    return FORMAT_KEY in metadata or any(
+        entry.get("dtype") == SAFETENSORS_FP8 or is_auxiliary(name) for name, entry in header.items())
+
+
+def _scale_of(layer: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    for suffix in (WEIGHT_SCALE, OLD_WEIGHT_SCALE):
+        if layer + suffix in tensors:
+            return tensors[layer + suffix]
+    return None
+
+
+def split_scales(tensors: Mapping[str, torch.Tensor], source: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Separate model weights from the format's bookkeeping.
+
+    Args:
+        tensors: every tensor of the file (or of one shard), by name.
+        source: the file, for error messages.
+    Returns:
+        (weights, scales): ``weights`` without any format tensor; ``scales`` maps each fp8 layer
+        (the weight's name without ``.weight``) to its float32 scale (scalar or per row).
+    Raises:
+        CheckpointError: an fp8 weight without a scale, or a scale without its weight.
+    """
+    weights = {k: v for k, v in tensors.items() if not is_auxiliary(k)}
+    scales = {}
+    for name, tensor in weights.items():
+        if tensor.dtype != FP8_DTYPE:
+            continue
+        layer = name.removesuffix(".weight")
+        scale = _scale_of(layer, tensors)
+        if scale is None:
+            raise CheckpointError(f"{source}: tensor {name!r} is float8 but its scale {layer + WEIGHT_SCALE!r} is missing "
+                                  "(not a complete ComfyUI scaled-fp8 file)")
+        scales[layer] = scale.float()
+    for name in tensors:
+        for suffix in (WEIGHT_SCALE, OLD_WEIGHT_SCALE):
+            if name.endswith(suffix) and name[: -len(suffix)] not in scales:
+                raise CheckpointError(f"{source}: scale {name!r} has no float8 weight {name[: -len(suffix)] + '.weight'!r}")
+    return weights, scales
+
+
+def dequantize(weights: dict[str, torch.Tensor], scales: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Replace each fp8 ``L.weight`` by ``fp8 * scale`` in ``dtype`` (in place; returns ``weights``)."""
+    for layer, scale in scales.items():
+        weight = weights[layer + ".weight"]
+        scale = scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(())
+        weights[layer + ".weight"] = (weight.to(torch.float32) * scale).to(dtype)
+    return weights
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) float -> (fp8 weight, float32 scalar scale) with per-tensor absolute-max scaling."""
+    amax = weight.detach().abs().max().float()
+    scale = (amax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    return (weight.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.reshape(())
+
+
+def quantize_state_dict(tensors: Mapping[str, torch.Tensor], should_quantize: Callable[[str, torch.Tensor], bool],
+                        metadata: Mapping[str, str] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Write ``tensors`` in ComfyUI's fp8 format: each weight ``should_quantize(name, tensor)`` selects
+    becomes fp8 + ``.weight_scale``; the rest is kept as is.
+
+    Returns:
+        (tensors, metadata) ready for :func:`krea2_diffusers.files.save_safetensors`.
+    """
+    out, layers = {}, {}
+    for name, tensor in tensors.items():
+        if name.endswith(".weight") and tensor.ndim == 2 and tensor.is_floating_point() and should_quantize(name, tensor):
+            layer = name.removesuffix(".weight")
+            out[name], out[layer + WEIGHT_SCALE] = quantize_weight(tensor)
+            layers[layer] = {"format": FP8_FORMAT}
+        else:
+            out[name] = tensor
+    meta = dict(metadata or {})
+    meta[FORMAT_KEY] = json.dumps({"format_version": FORMAT_VERSION, "layers": layers})
+    return out, meta
