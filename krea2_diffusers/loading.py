@@ -24,6 +24,7 @@ from .convert import (
 from .files import CheckpointError, read_safetensors, read_safetensors_header
 from .layers import rope_axes_dims
 from .loaders import comfy_fp8
+from .loaders.meta import assign_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -129,21 +130,7 @@ def load_state_dict_into_meta_model(cls, state_dict: dict[str, torch.Tensor], co
     """Build ``cls(**config)`` on the meta device and assign ``state_dict`` (diffusers names) to it."""
     with torch.device("meta"):
         model = cls(**config)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    missing = sorted(set(expected) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(expected))
-    wrong = [f"{k}: file {tuple(state_dict[k].shape)} vs model {expected[k]}" for k in expected if k in state_dict and tuple(state_dict[k].shape) != expected[k]]
-    if missing or unexpected or wrong:
-        parts = []
-        if missing:
-            parts.append(f"missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-        if unexpected:
-            parts.append(f"unexpected tensors {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
-        if wrong:
-            parts.append(f"mis-shaped tensors {wrong[:8]}")
-        raise CheckpointError(f"{source}: does not match the Krea 2 config: " + "; ".join(parts))
-    model.load_state_dict(state_dict, assign=True, strict=True)
-    return model.eval()
+    return assign_state_dict(model, state_dict, source, "the Krea 2 config")
 
 
 def finish_fp8(model: torch.nn.Module, scales: dict[str, torch.Tensor]) -> torch.nn.Module:

@@ -18,6 +18,13 @@ from typing import Callable, Mapping
 
 import torch
 
+from ..convert import (
+    DORMANT_ORIGINAL_PREFIXES,
+    UnknownKeyError,
+    diffusers_module_to_original,
+    is_original_layout,
+    strip_original_prefix,
+)
 from ..files import CheckpointError
 
 FORMAT_KEY = "_quantization_metadata"
@@ -96,22 +103,59 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (weight.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.reshape(())
 
 
-def quantize_state_dict(tensors: Mapping[str, torch.Tensor], should_quantize: Callable[[str, torch.Tensor], bool],
-                        metadata: Mapping[str, str] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Write ``tensors`` in ComfyUI's fp8 format: each weight ``should_quantize(name, tensor)`` selects
-    becomes fp8 + ``.weight_scale``; the rest is kept as is.
+def _fp8_plan(src, header: dict) -> tuple[str, dict[str, str], Callable[[str, tuple], bool]]:
+    """(kind, output name per source name, which output tensors to quantize) for a transformer or text encoder file."""
+    from ..gguf.rules import is_quantizable
+    from .text_encoder import looks_like_text_encoder
 
+    if looks_like_text_encoder(header):
+        # The language model's matrices; embeddings, LM head and the vision tower stay as they are.
+        names = {k: k for k in header}
+        return "text encoder", names, lambda n, shape: n.startswith("model.language_model.layers.") and len(shape) == 2
+    if is_original_layout(header):
+        names = {k: k for k in header if not strip_original_prefix(k).startswith(DORMANT_ORIGINAL_PREFIXES)}
+    else:
+        try:
+            names = {k: diffusers_module_to_original(k) for k in header}
+        except UnknownKeyError as err:
+            raise CheckpointError(f"{src}: neither a Krea 2 transformer nor a Qwen3-VL text encoder ({err})") from None
+    return "transformer", names, lambda n, shape: is_quantizable(strip_original_prefix(n), shape)
+
+
+def quantize_checkpoint_fp8(src, dst, *, overwrite: bool = False) -> dict[str, int]:
+    """Write a transformer (original or diffusers layout; written in the original layout that ComfyUI's
+    UNETLoader reads) or a Qwen3-VL text encoder file in ComfyUI's scaled-fp8 format.
+
+    Tensors are read one at a time; memory peaks at about the output's size.
     Returns:
-        (tensors, metadata) ready for :func:`krea2_diffusers.files.save_safetensors`.
+        {"fp8": layers quantized, "kept": tensors kept as they were}.
     """
+    from pathlib import Path
+
+    from ..files import read_safetensors, read_safetensors_header, save_safetensors
+
+    src, dst = Path(src), Path(dst)
+    if src.suffix != ".safetensors" or not src.is_file():
+        raise CheckpointError(f"{src}: input must be an existing .safetensors file")
+    if dst.exists() and dst.resolve() == src.resolve():
+        raise CheckpointError(f"{dst}: refusing to overwrite the input checkpoint")
+    if dst.exists() and not overwrite:
+        raise ValueError(f"{dst} already exists; choose a new output path (or pass --force to replace it)")
+    header, metadata, _ = read_safetensors_header(src)
+    if is_scaled_fp8(header, metadata):
+        raise CheckpointError(f"{src}: already a scaled-fp8 file")
+    kind, names, selected = _fp8_plan(src, header)
     out, layers = {}, {}
-    for name, tensor in tensors.items():
-        if name.endswith(".weight") and tensor.ndim == 2 and tensor.is_floating_point() and should_quantize(name, tensor):
-            layer = name.removesuffix(".weight")
-            out[name], out[layer + WEIGHT_SCALE] = quantize_weight(tensor)
+    for name, new in names.items():
+        tensor = read_safetensors(src, [name])[name]
+        if new.endswith(".mod.lin") and tensor.ndim == 2:
+            tensor = tensor.reshape(-1)  # diffusers (6, D) table -> original flat (6D,)
+        if new.endswith(".weight") and tensor.ndim == 2 and tensor.is_floating_point() and selected(new, tuple(tensor.shape)):
+            layer = new.removesuffix(".weight")
+            out[new], out[layer + WEIGHT_SCALE] = quantize_weight(tensor)
             layers[layer] = {"format": FP8_FORMAT}
         else:
-            out[name] = tensor
-    meta = dict(metadata or {})
-    meta[FORMAT_KEY] = json.dumps({"format_version": FORMAT_VERSION, "layers": layers})
-    return out, meta
+            out[new] = tensor
+    meta = {"format": "pt", FORMAT_KEY: json.dumps({"format_version": FORMAT_VERSION, "layers": layers})}
+    save_safetensors(out, dst, metadata=meta)
+    return {"fp8": len(layers), "kept": len(out) - 2 * len(layers), "kind": kind}
