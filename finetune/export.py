@@ -8,9 +8,9 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from krea2_diffusers.convert import convert_diffusers_to_original
+from krea2_diffusers.files import atomic_write, save_safetensors
 from krea2_diffusers.lora import lora_layers_from_diffusers_state_dict, lora_metadata, save_lora_file
 
 from .config import TrainConfig
@@ -52,15 +52,16 @@ def export_full(state: dict[str, torch.Tensor], transformer_config: dict, config
     if "diffusers" in config.export.formats:
         folder = out_dir / "transformer"
         folder.mkdir(parents=True, exist_ok=True)
-        save_file(state, str(folder / "diffusion_pytorch_model.safetensors"), metadata=meta)
+        save_safetensors(state, folder / "diffusion_pytorch_model.safetensors", metadata=meta)
         config_dict = {k: (list(v) if isinstance(v, tuple) else v) for k, v in transformer_config.items()
                        if not k.startswith("_")}
         config_dict["_class_name"] = "Krea2Transformer2DModel"
-        (folder / "config.json").write_text(json.dumps(config_dict, indent=2))
+        with atomic_write(folder / "config.json", "w") as handle:
+            handle.write(json.dumps(config_dict, indent=2))
         written.append(folder)
     if "original" in config.export.formats:
         path = out_dir / "krea2_original.safetensors"
         original = {k: v.contiguous() for k, v in convert_diffusers_to_original(state).items()}
-        save_file(original, str(path), metadata=meta)
+        save_safetensors(original, path, metadata=meta)
         written.append(path)
     return written

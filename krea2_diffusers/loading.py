@@ -151,7 +151,7 @@ def load_single_file(cls, path, torch_dtype: torch.dtype | None = None, config: 
         torch_dtype: cast floating tensors to this dtype as they are read (norm scales stay float32);
             None keeps the stored dtypes.
         config: transformer config kwargs; inferred from the tensor shapes when None.
-        upcast_fp8: dequantize a scaled-fp8 file's weights to ``torch_dtype`` (bf16 when None)
+        upcast_fp8: dequantize a scaled-fp8 file's weights to ``torch_dtype`` (None: the file's other tensors' dtype)
             instead of keeping them in fp8 with their scales (``Fp8Linear``, computed in the input's dtype).
     """
     path = Path(path)
@@ -188,5 +188,5 @@ def load_single_file(cls, path, torch_dtype: torch.dtype | None = None, config: 
         tensors = convert_original_to_diffusers(tensors)
         scales = {original_module_to_diffusers(layer): scale for layer, scale in scales.items()}
     if upcast_fp8:
-        tensors, scales = comfy_fp8.dequantize(tensors, scales, torch_dtype or torch.bfloat16), {}
+        tensors, scales = comfy_fp8.dequantize(tensors, scales, torch_dtype), {}
     return finish_fp8(load_state_dict_into_meta_model(cls, tensors, config, str(path)), scales)

@@ -87,8 +87,14 @@ def split_scales(tensors: Mapping[str, torch.Tensor], source: str) -> tuple[dict
     return weights, scales
 
 
-def dequantize(weights: dict[str, torch.Tensor], scales: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Replace each fp8 ``L.weight`` by ``fp8 * scale`` in ``dtype`` (in place; returns ``weights``)."""
+def dequantize(weights: dict[str, torch.Tensor], scales: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Replace each fp8 ``L.weight`` by ``fp8 * scale`` in ``dtype`` (in place; returns ``weights``).
+
+    ``dtype`` None: the dtype of the file's other floating tensors (bf16 in ComfyUI's files).
+    """
+    if dtype is None:
+        others = [t.dtype for t in weights.values() if t.is_floating_point() and t.dtype != FP8_DTYPE]
+        dtype = max(set(others), key=others.count) if others else torch.bfloat16
     for layer, scale in scales.items():
         weight = weights[layer + ".weight"]
         scale = scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(())

@@ -150,7 +150,7 @@ def load_text_encoder_file(path, torch_dtype: torch.dtype | None = None, config=
 
     tensors, scales = comfy_fp8.split_scales(read_safetensors(path, dtype_for=dtype_for), str(path))
     if upcast_fp8:
-        tensors, scales = comfy_fp8.dequantize(tensors, scales, torch_dtype or torch.bfloat16), {}
+        tensors, scales = comfy_fp8.dequantize(tensors, scales, torch_dtype), {}
     with parameters_on_meta():
         model = Qwen3VLForConditionalGeneration(config)
     if LM_HEAD not in tensors:
