@@ -80,7 +80,8 @@ def sample_from_latents(pipe, image_latents: torch.Tensor, strength: float, mask
         if keep is not None and "latents" in tensors:
             t_next = times[i + 1]
             original = ((1 - t_next) * clean + t_next * noise).to(tensors["latents"])
-            tensors["latents"] = tensors["latents"] + keep.to(original) * (original - tensors["latents"])
+            weight = keep.to(original)
+            tensors["latents"] = tensors["latents"] * (1 - weight) + original * weight  # exact where weight is 1
         return callback_on_step_end(p, i, timestep, tensors) if callback_on_step_end is not None else tensors
 
     inputs = list(kwargs.pop("callback_on_step_end_tensor_inputs", ["latents"]))

@@ -456,3 +456,26 @@ def test_validator_rejects_a_broken_workflow(models_dir):
     api["2"]["inputs"]["width"] = 1000  # not a multiple of 16
     with pytest.raises(AssertionError, match="not on its step"):
         validate_api_workflow(api)
+
+
+def test_sampler_latent_input_4d_or_5d_mask_and_bad_latents(tiny_model):
+    """Native VAEEncode gives 5-D latents, older graphs 4-D: the same image; a SetLatentNoiseMask-style
+    ``noise_mask`` works like the mask input; other channel counts are refused naming the shape."""
+    raw = torch.randn(1, 16, 1, 4, 6, generator=torch.Generator().manual_seed(0))
+
+    def sample(latent, **kwargs):
+        return run_node("Krea2Sampler", pipeline=tiny_model, prompt="a fox", negative_prompt="", width=512, height=512,
+                        steps=2, guidance=0.0, seed=1, batch_size=1, latent=latent, **kwargs)
+
+    five, latent_out = sample({"samples": raw}, denoise=0.5)
+    four, _ = sample({"samples": raw[:, :, 0]}, denoise=0.5)
+    assert five.shape == (1, 32, 48, 3) and latent_out["samples"].shape == (1, 16, 1, 4, 6)
+    torch.testing.assert_close(four, five, rtol=0, atol=0)
+    mask = torch.zeros(1, 32, 48)
+    mask[:, :, 24:] = 1
+    masked, _ = sample({"samples": raw}, denoise=0.5, mask=mask)
+    noise_masked, _ = sample({"samples": raw, "noise_mask": mask})
+    assert (masked - five).abs().max() > 1e-3
+    assert noise_masked.shape == masked.shape
+    with pytest.raises(ValueError, match=r"latent input: shape \(1, 4, 4, 6\) is not \(B, 16"):
+        sample({"samples": torch.zeros(1, 4, 4, 6)})
