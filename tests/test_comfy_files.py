@@ -168,7 +168,8 @@ def test_krea2_quantize_fp8_writes_comfyuis_format_and_it_loads_back(original_fi
     kept = Krea2Transformer2DModel.from_single_file(out, torch_dtype=torch.float32)
     upcast = Krea2Transformer2DModel.from_single_file(out, torch_dtype=torch.float32, upcast_fp8=True)
     layer = kept.transformer_blocks[0].attn.to_q
-    assert isinstance(layer, Fp8Linear) and layer.weight.dtype == torch.float8_e4m3fn
+    assert isinstance(layer, Fp8Linear) and layer.fp8_weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(layer.fp8_weight.view(torch.uint8), stored["blocks.0.attn.wq.weight"].view(torch.uint8))
     dequantized = stored["blocks.0.attn.wq.weight"].float() * stored["blocks.0.attn.wq.weight_scale"]
     assert torch.equal(upcast.transformer_blocks[0].attn.to_q.weight, dequantized)
     assert torch.equal(layer.dequantized_weight(), dequantized)
@@ -184,6 +185,14 @@ def test_krea2_quantize_fp8_writes_comfyuis_format_and_it_loads_back(original_fi
                generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(pipe(**run).images, pipe_upcast(**{**run, "generator": torch.Generator().manual_seed(0)}).images,
                                rtol=1e-5, atol=1e-5)
+    # A LoRA attaches to the fp8 layers as to plain ones: same effect as on the upcast model.
+    lora = {"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.randn(4, 64) * 0.5,
+            "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.randn(64, 4) * 0.5}
+    for p in (pipe, pipe_upcast):
+        p.load_lora_weights(lora)
+    with_lora = pipe(**{**run, "generator": torch.Generator().manual_seed(0)}).images
+    torch.testing.assert_close(with_lora, pipe_upcast(**{**run, "generator": torch.Generator().manual_seed(0)}).images,
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_older_scaled_fp8_form_and_missing_scales(original_file, tmp_path):
@@ -196,6 +205,10 @@ def test_older_scaled_fp8_form_and_missing_scales(original_file, tmp_path):
     save_safetensors(old, tmp_path / "old.safetensors")
     model = Krea2Transformer2DModel.from_single_file(tmp_path / "old.safetensors", upcast_fp8=True, torch_dtype=torch.float32)
     assert torch.equal(model.transformer_blocks[0].ff.up.weight, fp8.float() * scale)
+    nvfp4 = {**load_file(original_file), "blocks.0.mlp.up.comfy_quant": torch.tensor(list(b'{"format": "nvfp4"}'), dtype=torch.uint8)}
+    save_safetensors(nvfp4, tmp_path / "nvfp4.safetensors")
+    with pytest.raises(CheckpointError, match="nvfp4.safetensors: layer 'blocks.0.mlp.up' is quantized as 'nvfp4'"):
+        Krea2Transformer2DModel.from_single_file(tmp_path / "nvfp4.safetensors")
     del old["blocks.0.mlp.up.scale_weight"]
     save_safetensors(old, tmp_path / "no_scale.safetensors")
     with pytest.raises(CheckpointError, match=r"no_scale.safetensors: tensor 'blocks.0.mlp.up.weight' is float8 but its scale .* is missing"):

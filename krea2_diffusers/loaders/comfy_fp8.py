@@ -69,6 +69,12 @@ def split_scales(tensors: Mapping[str, torch.Tensor], source: str) -> tuple[dict
     Raises:
         CheckpointError: an fp8 weight without a scale, or a scale without its weight.
     """
+    for name, conf in tensors.items():
+        if name.endswith(LAYER_CONF):  # ComfyUI's in-file per-layer config: only float8_e4m3fn is read here
+            fmt = json.loads(bytes(conf.to(torch.uint8).tolist()).decode()).get("format")
+            if fmt != FP8_FORMAT:
+                raise CheckpointError(f"{source}: layer {name.removesuffix(LAYER_CONF)!r} is quantized as {fmt!r}; "
+                                      f"only ComfyUI's {FP8_FORMAT!r} is supported")
     weights = {k: v for k, v in tensors.items() if not is_auxiliary(k)}
     scales = {}
     for name, tensor in weights.items():
