@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from .files import CheckpointError
 from .presets import looks_distilled
 from .tiny import is_tiny, tiny_components
@@ -71,7 +73,7 @@ def check_text_width(transformer, text_encoder, source) -> None:
 
 def _components(text_encoder, vae, tokenizer, torch_dtype, text_encoder_config, upcast_fp8, load_kwargs) -> dict:
     """Text encoder, tokenizer and VAE from their sources (``tiny-random`` ones included)."""
-    tiny = tiny_components(torch_dtype=torch_dtype or __import__("torch").float32) if is_tiny(text_encoder) or is_tiny(vae) else None
+    tiny = tiny_components(torch_dtype=torch_dtype or torch.float32) if is_tiny(text_encoder) or is_tiny(vae) else None
     te = tiny["text_encoder"] if is_tiny(text_encoder) else _load_text_encoder(
         text_encoder, torch_dtype, text_encoder_config, upcast_fp8, **load_kwargs)
     tok = tiny["tokenizer"] if is_tiny(text_encoder) and tokenizer is None else _load_tokenizer(tokenizer, text_encoder)
