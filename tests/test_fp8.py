@@ -76,3 +76,23 @@ def test_transformer_blocks_quantized_precision_sensitive_layers_kept():
     assert replaced > 0
     assert isinstance(transformer.transformer_blocks[0].ff.up, Fp8Linear)
     assert type(transformer.img_in) is nn.Linear
+
+
+def test_lora_trains_on_an_fp8_base():
+    """finetune's ``model.quantize: fp8`` path: PEFT wraps the fp8 layers, only the LoRA gets gradients."""
+    from finetune.config import LoRAConfig
+    from finetune.methods import add_lora, quantize_base
+
+    transformer = tiny_components()["transformer"]
+    assert quantize_base(transformer, "fp8", torch.float32) > 0
+    params = add_lora(transformer, LoRAConfig(rank=4, alpha=4))
+    layer = transformer.transformer_blocks[0].ff.up
+    assert isinstance(layer.base_layer, Fp8Linear) and layer.base_layer.weight.dtype == torch.uint8
+    assert all(p.dtype == torch.float32 for p in params)  # LoRA weights in fp32 over the fp8 base
+    x = torch.randn(2, 3, layer.in_features)
+    with torch.no_grad():  # B starts at 0: the adapted layer equals its fp8 base
+        torch.testing.assert_close(layer(x), layer.base_layer(x))
+    layer(x).square().sum().backward()
+    lora_b = [p for n, p in layer.named_parameters() if "lora_B" in n]
+    assert lora_b and all(p.grad is not None and p.grad.abs().sum() > 0 for p in lora_b)
+    assert layer.base_layer.weight.grad is None and not layer.base_layer.weight.requires_grad
