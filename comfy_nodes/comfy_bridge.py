@@ -25,6 +25,8 @@ except ImportError:
     model_management = comfy_utils = None
 
 MODELS_DIR_ENV = "KREA2_MODELS_DIR"
+# The Qwen-Image VAE's latent channels: what a Krea 2 LATENT must hold (checked before any loading).
+LATENT_CHANNELS = 16
 
 
 def model_folders(kind: str) -> list[Path]:
@@ -97,3 +99,21 @@ def comfy_to_pil(image: torch.Tensor) -> list:
         image = image.expand(*image.shape[:-1], 3)
     pixels = (image[..., :3].clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
     return [Image.fromarray(item, "RGB") for item in pixels]
+
+
+def check_image_latents(latents: torch.Tensor, source: str = "latent") -> torch.Tensor:
+    """A ComfyUI LATENT's samples, (B, 16, h, w) or (B, 16, 1, h, w) -> (B, 16, h, w); refuses other
+    channels, several frames or sizes that are not whole transformer tokens, naming the shape."""
+    from krea2_diffusers.latents import PATCH_SIZE, PIXELS_PER_TOKEN
+
+    if latents.ndim == 5:
+        if latents.shape[2] != 1:
+            raise ValueError(f"{source}: {latents.shape[2]} frames in shape {tuple(latents.shape)}; Krea 2 takes single images")
+        latents = latents[:, :, 0]
+    if latents.ndim != 4 or latents.shape[1] != LATENT_CHANNELS:
+        raise ValueError(f"{source}: shape {tuple(latents.shape)} is not (B, {LATENT_CHANNELS}, [1,] H/8, W/8) "
+                         "(the Qwen-Image VAE's 16 latent channels)")
+    if latents.shape[-2] % PATCH_SIZE or latents.shape[-1] % PATCH_SIZE:
+        raise ValueError(f"{source}: latent size {tuple(latents.shape[-2:])} gives an image that is not a multiple of "
+                         f"{PIXELS_PER_TOKEN} pixels")
+    return latents

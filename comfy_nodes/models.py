@@ -64,12 +64,26 @@ def transformer_choices() -> dict[str, Path | None]:
     return {TINY_RANDOM: None, **folders, **list_files("diffusion_models")}
 
 
-def component_choices(kind: str, hub_id: str) -> dict[str, Path | str]:
-    """The hub id first, then the local model folders (transformers/diffusers format) in the model folder ``kind``.
+# ComfyUI's usual names for the Krea 2 text encoder and VAE files: the first match is the default.
+DEFAULT_FILE_PREFIXES = {"text_encoders": "qwen3vl_4b", "vae": "qwen_image_vae"}
+COMPONENT_SUFFIXES = (".safetensors", ".sft")
 
-    Single files are not offered: the library loads the text encoder and VAE from folders.
+
+def component_choices(kind: str, hub_id: str) -> dict[str, Path | str | None]:
+    """What the loader offers for the text encoder (``kind`` "text_encoders") or VAE ("vae"), in order:
+    ``tiny-random``, the hub id, the model folders (transformers/diffusers format) and the single files
+    (ComfyUI's ``qwen3vl_4b_*.safetensors`` / ``qwen_image_vae.safetensors``) in the model folder ``kind``.
     """
-    return {hub_id: hub_id, **list_folders(kind, ("config.json", "model_index.json"))}
+    folders = list_folders(kind, ("config.json", "model_index.json"))
+    files = list_files(kind, COMPONENT_SUFFIXES)
+    return {TINY_RANDOM: None, hub_id: hub_id, **folders, **files}
+
+
+def default_component(kind: str, hub_id: str) -> str:
+    """ComfyUI's usual file when present (``qwen3vl_4b*`` / ``qwen_image_vae*``, bf16 before fp8), else the hub id."""
+    prefix = DEFAULT_FILE_PREFIXES[kind]
+    usual = [name for name in list_files(kind, COMPONENT_SUFFIXES) if Path(name).name.lower().startswith(prefix)]
+    return sorted(usual, key=lambda name: ("fp8" in name.lower(), name))[0] if usual else hub_id
 
 
 def memory_presets() -> list[str]:
@@ -110,12 +124,13 @@ def load_pipeline(spec: LoadSpec):
 
     path = _lookup(transformer_choices(), spec.model, "model", "diffusion_models")
     components = {}
-    if path is not None and path.is_file():  # a transformer alone: add the text encoder and VAE
-        components = {
-            "text_encoder": str(_lookup(component_choices("text_encoders", HUB_TEXT_ENCODER), spec.text_encoder,
-                                        "text encoder", "text_encoders")),
-            "vae": str(_lookup(component_choices("vae", HUB_VAE), spec.vae, "VAE", "vae")),
-        }
+    if path is None or path.is_file():  # tiny-random or a transformer alone: add the text encoder and VAE
+        for name, kind, hub_id, what in (("text_encoder", "text_encoders", HUB_TEXT_ENCODER, "text encoder"),
+                                         ("vae", "vae", HUB_VAE, "VAE")):
+            source = _lookup(component_choices(kind, hub_id), getattr(spec, name), what, kind)
+            # tiny-random keeps its own tiny components unless a local folder or file is chosen
+            if path is not None or source not in (None, hub_id):
+                components[name] = TINY_RANDOM if source is None else str(source)
     comfy_bridge.make_room()
     pipe = load(Krea2Pipeline, TINY_RANDOM if path is None else str(path), torch_dtype=getattr(torch, spec.dtype),
                 is_distilled=VARIANTS[spec.variant], **components)

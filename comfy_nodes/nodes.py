@@ -6,8 +6,9 @@ Data passed between nodes:
   never pins it in memory and "Unload models" really frees it; LoRA nodes never modify a pipeline
   another branch of the workflow uses.
 - ``KREA2_STYLE_REFS``: a tuple of ``(PIL image, strength)``.
-- IMAGE: float (B, H, W, 3) in [0, 1]; LATENT: ``{"samples": (B, 16, H/8, W/8)}`` in the VAE's own
-  (un-normalised) space, like every ComfyUI latent, so the native VAE Decode node reads it.
+- IMAGE: float (B, H, W, 3) in [0, 1]; LATENT: ``{"samples": (B, 16, 1, H/8, W/8)}``, raw (un-normalised)
+  latents of the Qwen-Image VAE in ComfyUI's 5-D video layout for it, so native VAE Decode reads the
+  Sampler's output and native VAE Encode feeds its ``latent`` input (4-D latents are accepted too).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch
 
 from . import comfy_bridge
 from .models import (
-    DTYPES, HUB_TEXT_ENCODER, HUB_VAE, PIPELINES, VARIANTS, LoadSpec, component_choices, list_files, lora_path,
-    memory_presets, transformer_choices,
+    DTYPES, HUB_TEXT_ENCODER, HUB_VAE, PIPELINES, VARIANTS, LoadSpec, component_choices, default_component, list_files,
+    lora_path, memory_presets, transformer_choices,
 )
 
 CATEGORY = "Krea2"
@@ -64,11 +65,15 @@ class Krea2ModelLoader:
             "variant": (list(VARIANTS), {"default": "auto", "tooltip": (
                 "Which release this is; sets the sampler's defaults (Turbo: 8 steps, guidance off; RAW: 52 steps, 3.5). "
                 "auto: Turbo when the name says turbo/tdm/distill.")}),
-            "text_encoder": (list(component_choices("text_encoders", HUB_TEXT_ENCODER)), {"tooltip": (
-                "Qwen3-VL-4B-Instruct, for single files and GGUF (diffusers folders bring their own). "
-                "The hub id downloads it once.")}),
-            "vae": (list(component_choices("vae", HUB_VAE)), {"tooltip": (
-                "Qwen-Image VAE, for single files and GGUF (diffusers folders bring their own).")}),
+            "text_encoder": (list(component_choices("text_encoders", HUB_TEXT_ENCODER)), {
+                "default": default_component("text_encoders", HUB_TEXT_ENCODER), "tooltip": (
+                    "Qwen3-VL-4B-Instruct for single files and GGUF (diffusers folders bring their own): ComfyUI's "
+                    "models/text_encoders/qwen3vl_4b_{bf16,fp8_scaled}.safetensors, a folder there, or the hub id "
+                    "(downloads it once).")}),
+            "vae": (list(component_choices("vae", HUB_VAE)), {
+                "default": default_component("vae", HUB_VAE), "tooltip": (
+                    "Qwen-Image VAE for single files and GGUF (diffusers folders bring their own): ComfyUI's "
+                    "models/vae/qwen_image_vae.safetensors, a folder there, or the hub id.")}),
             "dtype": (list(DTYPES), {"default": "bfloat16", "tooltip": "Weight dtype (GGUF files keep their quantization)."}),
             "memory": (memory_presets(), {"default": "auto", "tooltip": (
                 "auto: fit the GPU it finds (offloading / fp8 / NF4 as needed); high: everything on the GPU; "
@@ -152,12 +157,14 @@ class Krea2StyleReference:
 
 
 class Krea2Sampler:
-    DESCRIPTION = "Generates images with Krea 2 (text to image, optionally with style references)."
+    DESCRIPTION = ("Generates images with Krea 2: text to image, img2img from a LATENT (native VAE Encode) with "
+                   "denoise, inpainting with a mask, optionally with style references.")
     CATEGORY = CATEGORY
     FUNCTION = "sample"
     RETURN_TYPES = ("IMAGE", "LATENT")
     RETURN_NAMES = ("image", "latent")
-    OUTPUT_TOOLTIPS = ("The decoded images.", "The same images as latents (for VAE Decode, upscalers ...).")
+    OUTPUT_TOOLTIPS = ("The decoded images.", "The same images as raw Qwen-Image VAE latents (B, 16, 1, H/8, W/8): "
+                       "native VAE Decode gives the same picture.")
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -186,36 +193,90 @@ class Krea2Sampler:
                 "style_mode": (list(STYLE_MODES), {"default": "reference", "tooltip": (
                     "reference: the images themselves steer the image (add the style-reference LoRA with a LoRA Loader); "
                     "describe: no LoRA needed, the text encoder describes each image's style.")}),
+                "latent": ("LATENT", {"tooltip": (
+                    "Start from this image (native VAE Encode of the Qwen-Image VAE, 4-D or 5-D) instead of noise: "
+                    "img2img. Its size overrides width and height.")}),
+                "denoise": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip": (
+                    "With a latent: how much to change it (1 = ignore it, 0 = return it). Without: unused.")}),
+                "mask": ("MASK", {"tooltip": "With a latent: repaint only where the mask is 1 (inpainting)."}),
             },
         }
 
     def sample(self, pipeline, prompt, negative_prompt, width, height, steps, guidance, seed, batch_size, style_refs=(),
-               style_mode="reference"):
+               style_mode="reference", latent=None, denoise=1.0, mask=None):
+        from krea2_diffusers.latents import to_model_space, unpack_latents
+
+        start = None
+        if latent is not None:  # checked before the pipeline is loaded or anything sampled
+            start = comfy_bridge.check_image_latents(latent["samples"], "latent input").float()
+            if start.shape[0] not in (1, batch_size):
+                raise ValueError(f"latent input holds {start.shape[0]} images; batch_size is {batch_size}")
+            mask = mask if mask is not None else latent.get("noise_mask")
         pipe = pipeline.pipeline()
         extra = {}
         if style_refs:
             extra = {"style_images": [ref[0] for ref in style_refs], "style_strengths": [ref[1] for ref in style_refs],
                      "style_mode": style_mode}
-        callback = comfy_bridge.step_callback(steps or pipe.preset.num_inference_steps)
-        output = pipe(
-            prompt, negative_prompt=negative_prompt, width=width, height=height, num_inference_steps=steps or None,
-            guidance_scale=None if guidance < 0 else guidance, num_images_per_prompt=batch_size,
-            generator=[torch.Generator().manual_seed(seed + i) for i in range(batch_size)], output_type="np",
-            callback_on_step_end=callback, callback_on_step_end_tensor_inputs=["latents"], **extra,
-        )
+        total_steps = steps or pipe.preset.num_inference_steps
+        callback = comfy_bridge.step_callback(total_steps)
+        generators = [torch.Generator().manual_seed(seed + i) for i in range(batch_size)]
+        common = dict(guidance_scale=None if guidance < 0 else guidance, generator=generators, output_type="np",
+                      callback_on_step_end=callback, callback_on_step_end_tensor_inputs=["latents"], **extra)
+        if start is not None and denoise == 0:  # nothing to change: the image itself
+            return decode_only(pipe, start.expand(batch_size, -1, -1, -1))
+        if start is not None:
+            image = to_model_space(pipe.vae, start.to(pipe.vae.dtype)).float()
+            output = sample_from_image(pipe, image, denoise, total_steps, mask, prompt, negative_prompt, batch_size, **common)
+        else:
+            output = pipe(prompt, negative_prompt=negative_prompt, width=width, height=height,
+                          num_inference_steps=steps or None, num_images_per_prompt=batch_size, **common)
         images = comfy_bridge.images_to_comfy(output.images)
-        return (images, {"samples": vae_space_latents(pipe, callback.latents, *images.shape[1:3])})
+        latents = unpack_latents(callback.latents.float(), *images.shape[1:3]).cpu()
+        return (images, {"samples": vae_space_latents(pipe, latents)})
 
 
-def vae_space_latents(pipe, packed: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """Packed model latents -> (B, 16, H/8, W/8) in the VAE's own space (what ComfyUI latents hold)."""
-    from krea2_diffusers.latents import unpack_latents
+def sample_from_image(pipe, image: torch.Tensor, denoise: float, steps: int, mask, prompt: str, negative_prompt: str,
+                      batch_size: int, **kwargs):
+    """ComfyUI's img2img / inpainting on the library's pipelines (``Krea2Img2ImgPipeline`` /
+    ``Krea2InpaintPipeline`` sharing ``pipe``'s components), with ComfyUI's ``denoise`` schedule.
 
-    latents = unpack_latents(packed, height, width).float().cpu()
-    config = pipe.vae.config
-    mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1)
-    std = torch.tensor(config.latents_std).view(1, -1, 1, 1)
-    return latents * std + mean
+    Args:
+        image: model latents (1 or ``batch_size``, 16, h, w); the output has their size.
+        denoise: in (0, 1]: all ``steps`` run, from part-way into a longer schedule
+            (``sampling.denoise_sigmas``), where diffusers' ``strength`` would run fewer steps.
+        mask: ComfyUI MASK ((B,) H, W) or None: 1 = repaint (inpainting), any size.
+        kwargs: the rest of the pipeline's arguments (generator, output_type, callbacks, style ...).
+    """
+    from krea2_diffusers import Krea2Img2ImgPipeline, Krea2InpaintPipeline
+    from krea2_diffusers.sampling import denoise_sigmas
+
+    if image.shape[0] == 1:  # one image for the whole batch
+        prompts, negatives, per_prompt = prompt, negative_prompt, batch_size
+    else:  # one image per batch item: the pipelines pair images with prompts
+        prompts, negatives, per_prompt = [prompt] * batch_size, [negative_prompt] * batch_size, 1
+    args = dict(image=image, strength=1.0, sigmas=denoise_sigmas(steps, denoise), negative_prompt=negatives,
+                num_images_per_prompt=per_prompt, **kwargs)
+    if mask is None:
+        return Krea2Img2ImgPipeline.from_pipe(pipe)(prompts, **args)
+    masks = list(mask.detach().float().cpu().reshape(-1, *mask.shape[-2:]))  # (H, W) each: one mask, or one per image
+    return Krea2InpaintPipeline.from_pipe(pipe)(prompts, mask_image=masks, **args)
+
+
+def decode_only(pipe, raw: torch.Tensor) -> tuple:
+    """(IMAGE, LATENT) of raw VAE latents (B, 16, h, w) as they are (``denoise`` 0)."""
+    from krea2_diffusers.latents import decode_latents, to_model_space
+
+    vae = pipe.vae
+    with torch.no_grad():
+        pixels = decode_latents(vae, to_model_space(vae, raw.to(pipe._execution_device, vae.dtype)))
+    return pixels.permute(0, 2, 3, 1).float().cpu(), {"samples": raw.float()[:, :, None].contiguous()}
+
+
+def vae_space_latents(pipe, latents: torch.Tensor) -> torch.Tensor:
+    """Model latents (B, 16, H/8, W/8) -> ComfyUI's LATENT for the Qwen-Image VAE: raw, (B, 16, 1, H/8, W/8)."""
+    from krea2_diffusers.latents import to_vae_space
+
+    return to_vae_space(pipe.vae, latents.to(pipe.vae.dtype)).float()[:, :, None].contiguous()
 
 
 NODE_CLASS_MAPPINGS = {

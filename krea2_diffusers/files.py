@@ -81,7 +81,12 @@ def atomic_write_dir(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         yield tmp
-        os.chmod(tmp, DIR_MODE & ~_umask())
+        # Writers inside (save_pretrained ...) may leave 0600 files: published folders are readable by all.
+        mask = _umask()
+        for folder, _, files in os.walk(tmp):
+            os.chmod(folder, DIR_MODE & ~mask)
+            for name in files:
+                os.chmod(os.path.join(folder, name), FILE_MODE & ~mask)
         try:
             os.rename(tmp, path)
         except OSError:

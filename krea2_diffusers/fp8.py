@@ -1,9 +1,14 @@
-"""float8 (e4m3) weight storage with a per-row scale, for frozen linear layers (a LoRA base).
+"""float8 weight storage for linear layers: one byte per weight plus a float32 scale, computed in a
+higher precision. The one runtime fp8 layer of the library, for both of its uses:
 
-An unscaled cast to e4m3 clips large weights at 448 and flushes small rows toward the format's
-coarse low end; scaling each output row by its own absolute maximum uses the full range of the
-format for every row. Storage: 1 byte per weight + one float32 per row.
+- ComfyUI's scaled-fp8 checkpoints (:mod:`krea2_diffusers.loaders.comfy_fp8` reads the format):
+  ``Fp8Linear(weight_fp8, scale, bias)`` keeps the file's fp8 values and scale as they are;
+- a frozen LoRA base (``finetune``'s ``model.quantize: fp8``): ``Fp8Linear.from_linear(linear)``
+  quantizes a float layer with a scale per output row. An unscaled cast to e4m3 clips large
+  weights at 448 and flushes small rows toward the format's coarse low end; a per-row absolute-max
+  scale uses the format's whole range for every row.
 
+``y = x @ (weight_fp8 * scale).T + bias``, the weight dequantized per call in the input's dtype.
 The matmul is an autograd function that saves the *packed* weight for the backward pass and
 re-expands it there, so training keeps one byte per frozen weight resident instead of the
 compute-dtype copy ``F.linear`` would save for every layer.
@@ -16,67 +21,130 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 FP8_DTYPE = torch.float8_e4m3fn
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
-# A row of zeros keeps scale 1 (any scale reproduces it); avoids a division by zero.
-_MIN_AMAX = 1e-12
+# An all-zero weight (or row) keeps a tiny positive scale: any scale reproduces it, and it avoids 0/0.
+_MIN_SCALE = torch.finfo(torch.float32).tiny
 
 
-def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, in) float weight -> (out, in) e4m3 values and (out,) float32 scales, weight ~= q * scale."""
+def quantize_weight(weight: torch.Tensor, per_row: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) float weight -> (out, in) e4m3 values and a float32 scale, weight ~= fp8 * scale.
+
+    The scale is one value per output row, shaped (out, 1), or (``per_row=False``, ComfyUI's
+    per-tensor format) a scalar of shape (): absolute maximum / 448 either way.
+    """
     w = weight.detach().float()
-    amax = w.abs().amax(dim=1).clamp(min=_MIN_AMAX)
-    scale = amax / FP8_MAX
-    return (w / scale[:, None]).to(FP8_DTYPE), scale
+    amax = w.abs().amax(dim=1, keepdim=True) if per_row else w.abs().amax()
+    scale = (amax / FP8_MAX).clamp_min(_MIN_SCALE)
+    # clamp: rounding in w / scale can land a hair above 448, which e4m3fn cannot hold.
+    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
-def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (q.to(torch.float32) * scale[:, None]).to(dtype)
+def _scale_shape(scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """A scalar or per-row scale ((out,), (out, 1)) as a float32 () or (out, 1) that broadcasts over (out, in)."""
+    scale = scale.detach().float()
+    if scale.numel() not in (1, rows):
+        raise ValueError(f"fp8 scale must be a scalar or one value per output row ({rows}), got shape {tuple(scale.shape)}")
+    return scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(())
+
+
+def dequantize_weight(weight_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(out, in) fp8 values times a scalar, (out,) or (out, 1) scale -> (out, in) in ``dtype``."""
+    return (weight_fp8.to(torch.float32) * _scale_shape(scale, weight_fp8.shape[0]).to(weight_fp8.device)).to(dtype)
 
 
 class _Fp8Matmul(torch.autograd.Function):
+    """x (..., in) @ dequantized(weight).T + bias, saving the packed bytes (not the expanded weight) for backward."""
+
     @staticmethod
-    def forward(ctx, x, q, scale, bias):
-        weight = dequantize_rows(q, scale, x.dtype)
-        ctx.save_for_backward(q, scale)
-        ctx.has_bias = bias is not None
-        return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+    def forward(ctx, x, packed, scale, bias, fp8_dtype):
+        weight = dequantize_weight(packed.to(x.device).view(fp8_dtype), scale, x.dtype)
+        ctx.save_for_backward(packed, scale)
+        ctx.fp8_dtype = fp8_dtype
+        return F.linear(x, weight, None if bias is None else bias.to(device=x.device, dtype=x.dtype))
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, scale = ctx.saved_tensors
-        grad_x = grad_out @ dequantize_rows(q, scale, grad_out.dtype) if ctx.needs_input_grad[0] else None
-        return grad_x, None, None, None
+        packed, scale = ctx.saved_tensors
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_out @ dequantize_weight(packed.to(grad_out.device).view(ctx.fp8_dtype), scale, grad_out.dtype)
+        if ctx.needs_input_grad[3]:
+            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+        return grad_x, None, None, grad_bias, None
 
 
 class Fp8Linear(nn.Linear):
-    """A frozen ``nn.Linear`` whose weight is stored as e4m3 with a float32 scale per output row.
+    """Linear layer over an fp8 weight (out, in) and a float32 scale (scalar or per output row).
 
-    Subclasses ``nn.Linear`` so PEFT wraps it like any linear layer; ``compute_dtype`` tells PEFT
-    (and readers) the dtype the layer computes in. The weight and scale are frozen.
+    An ``nn.Linear`` subclass (like GGUF's ``PackedLinear``) so PEFT wraps it and LoRAs attach to it
+    as to any linear layer. ``weight`` holds the fp8 values' bytes (uint8, (out, in)), so float-dtype
+    casts (``module.to(bf16)``, PEFT matching a LoRA's dtype to its base layer's) cannot turn them
+    into another format; :attr:`fp8_weight` views them as fp8. ``weight_scale`` is () or (out, 1).
+    ``compute_dtype`` is the dtype the layer is meant to compute in (None: the input's); the
+    forward always computes in the input's dtype. The weight, scale and bias are frozen.
     """
 
-    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype):
+    def __init__(self, weight_fp8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 compute_dtype: torch.dtype | None = None):
         nn.Module.__init__(self)  # not nn.Linear.__init__: it would allocate a float weight
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        q, scale = quantize_rows(linear.weight)
-        self.weight = nn.Parameter(q, requires_grad=False)
-        self.register_buffer("weight_scale", scale)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(compute_dtype), requires_grad=False)
+        if weight_fp8.dtype not in FP8_DTYPES or weight_fp8.ndim != 2:
+            raise ValueError(f"Fp8Linear needs a 2-D float8 weight, got {weight_fp8.dtype} {tuple(weight_fp8.shape)}")
+        self.out_features, self.in_features = weight_fp8.shape
+        self.fp8_dtype = weight_fp8.dtype
         self.compute_dtype = compute_dtype
+        self.weight = nn.Parameter(weight_fp8.detach().view(torch.uint8), requires_grad=False)
+        self.register_buffer("weight_scale", _scale_shape(scale, self.out_features))
+        if bias is not None:
+            bias = bias.detach() if compute_dtype is None else bias.detach().to(compute_dtype)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, compute_dtype: torch.dtype | None = None, per_row: bool = True) -> "Fp8Linear":
+        """Quantize a float ``nn.Linear`` (a frozen LoRA base): per-row scale by default, per-tensor on request."""
+        weight_fp8, scale = quantize_weight(linear.weight, per_row=per_row)
+        return cls(weight_fp8, scale, linear.bias, compute_dtype)
 
     def reset_parameters(self) -> None:
-        pass  # the stored values are data, not an initialisation
+        pass  # nn.Linear's initialiser would re-randomise the stored fp8 values: they are data
+
+    @property
+    def fp8_weight(self) -> torch.Tensor:
+        """The stored weight (out, in) in its fp8 dtype."""
+        return self.weight.view(self.fp8_dtype)
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return dequantize_rows(self.weight, self.weight_scale, dtype or self.compute_dtype)
+        """The weight (out, in) as ``dtype`` (default: ``compute_dtype``, else float32): fp8 values times their scale."""
+        return dequantize_weight(self.fp8_weight, self.weight_scale, dtype or self.compute_dtype or torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Fp8Matmul.apply(x, self.weight, self.weight_scale, self.bias)
+        """x (..., in) -> (..., out), in x's dtype."""
+        return _Fp8Matmul.apply(x, self.weight, self.weight_scale, self.bias, self.fp8_dtype)
+
+    def extra_repr(self) -> str:
+        per = "row" if self.weight_scale.ndim else "tensor"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 per-{per} scale"
+
+
+def replace_linears_(model: nn.Module, scales: dict[str, torch.Tensor]) -> int:
+    """Swap each ``nn.Linear`` named in ``scales`` (whose weight is already fp8, as loaded from a
+    file) for an :class:`Fp8Linear` with that scale. Returns the number of layers replaced."""
+    modules = dict(model.named_modules())
+    for name, scale in scales.items():
+        linear = modules.get(name)
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"fp8 scale for {name!r}, which is not a Linear layer of {type(model).__name__}")
+        if linear.weight.dtype not in FP8_DTYPES:
+            raise ValueError(f"fp8 scale for {name!r}, whose weight is {linear.weight.dtype}, not float8")
+        parent_name, _, child = name.rpartition(".")
+        parent = modules[parent_name] if parent_name else model
+        setattr(parent, child, Fp8Linear(linear.weight, scale, linear.bias))
+    return len(scales)
 
 
 def quantize_fp8_(module: nn.Module, keep: tuple[str, ...] = (), compute_dtype: torch.dtype = torch.bfloat16) -> int:
-    """Replace every plain ``nn.Linear`` of ``module`` (in place) by :class:`Fp8Linear`, except
-    those whose name is or contains a ``keep`` entry; returns the number replaced."""
+    """Replace every plain ``nn.Linear`` of ``module`` (in place) by a per-row :class:`Fp8Linear`,
+    except those whose name is or contains a ``keep`` entry; returns the number replaced."""
     from .bnb import _skipper
 
     skip = _skipper(keep)
@@ -84,7 +152,7 @@ def quantize_fp8_(module: nn.Module, keep: tuple[str, ...] = (), compute_dtype: 
     for name, child in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
-        setattr(parent, attr, Fp8Linear(child, compute_dtype))
+        setattr(parent, attr, Fp8Linear.from_linear(child, compute_dtype))
     return len(targets)
 
 

@@ -55,12 +55,23 @@ def _latent_stats(vae, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mean, std
 
 
+def to_vae_space(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Model latents (B, 16, h, w) -> the VAE's own (un-normalised) latents, as ComfyUI's LATENT holds them."""
+    mean, std = _latent_stats(vae, latents)
+    return latents * std + mean
+
+
+def to_model_space(vae, latents: torch.Tensor) -> torch.Tensor:
+    """The VAE's own latents (B, 16, h, w) -> model latents: the inverse of :func:`to_vae_space`."""
+    mean, std = _latent_stats(vae, latents)
+    return (latents - mean) / std
+
+
 def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     """Model latents (B, 16, h, w) -> images (B, 3, 8h, 8w) in [0, 1]."""
     latents = latents.to(vae.dtype)
-    mean, std = _latent_stats(vae, latents)
     # The Qwen-Image VAE is a video VAE: add a single frame axis.
-    frames = vae.decode((latents * std + mean)[:, :, None], return_dict=False)[0]
+    frames = vae.decode(to_vae_space(vae, latents)[:, :, None], return_dict=False)[0]
     return (frames[:, :, 0].float().clamp(-1, 1) + 1) / 2
 
 
@@ -72,5 +83,4 @@ def encode_images(vae, images: torch.Tensor, generator=None, sample: bool = Fals
     pixels = (images.to(vae.dtype) * 2 - 1)[:, :, None]
     posterior = vae.encode(pixels).latent_dist
     latents = (posterior.sample(generator) if sample else posterior.mode())[:, :, 0]
-    mean, std = _latent_stats(vae, latents)
-    return (latents - mean) / std
+    return to_model_space(vae, latents)

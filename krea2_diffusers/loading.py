@@ -24,6 +24,8 @@ from .convert import (
 )
 from .files import SAFETENSORS_DTYPES, CheckpointError, read_safetensors, read_safetensors_header
 from .layers import rope_axes_dims
+from .loaders import comfy_fp8
+from .loaders.meta import assign_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +117,9 @@ def _identify(keys: list[str], path: Path) -> str:
 
 def _target_dtype(torch_dtype):
     def choose(name: str, stored: torch.dtype) -> torch.dtype:
-        if torch_dtype is None or not stored.is_floating_point:
+        if comfy_fp8.is_auxiliary(name):  # fp8 scales: exact as stored, float32
+            return torch.float32 if stored.is_floating_point else stored
+        if torch_dtype is None or not stored.is_floating_point or stored == comfy_fp8.FP8_DTYPE:
             return stored
         if name.endswith(_FP32_SUFFIXES):
             return torch.float32
@@ -127,32 +131,29 @@ def load_state_dict_into_meta_model(cls, state_dict: dict[str, torch.Tensor], co
     """Build ``cls(**config)`` on the meta device and assign ``state_dict`` (diffusers names) to it."""
     with torch.device("meta"):
         model = cls(**config)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    missing = sorted(set(expected) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(expected))
-    wrong = [f"{k}: file {tuple(state_dict[k].shape)} vs model {expected[k]}" for k in expected if k in state_dict and tuple(state_dict[k].shape) != expected[k]]
-    if missing or unexpected or wrong:
-        parts = []
-        if missing:
-            parts.append(f"missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-        if unexpected:
-            parts.append(f"unexpected tensors {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
-        if wrong:
-            parts.append(f"mis-shaped tensors {wrong[:8]}")
-        raise CheckpointError(f"{source}: does not match the Krea 2 config: " + "; ".join(parts))
-    model.load_state_dict(state_dict, assign=True, strict=True)
-    return model.eval()
+    return assign_state_dict(model, state_dict, source, "the Krea 2 config")
 
 
-def load_single_file(cls, path, torch_dtype: torch.dtype | None = None, config: dict | None = None):
+def finish_fp8(model: torch.nn.Module, scales: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """Give the layers loaded with fp8 weights their scales (:class:`krea2_diffusers.fp8.Fp8Linear`)."""
+    if scales:
+        from .fp8 import replace_linears_
+
+        replace_linears_(model, scales)
+    return model
+
+
+def load_single_file(cls, path, torch_dtype: torch.dtype | None = None, config: dict | None = None, upcast_fp8: bool = False):
     """Load a Krea 2 transformer from a single file, a sharded index or a GGUF file.
 
     Args:
-        path: ``.safetensors`` (original or diffusers layout, ``model.diffusion_model.`` prefix allowed),
-            ``*.safetensors.index.json`` or a folder of shards, or ``.gguf``.
+        path: ``.safetensors`` (original or diffusers layout, ``model.diffusion_model.`` prefix allowed,
+            ComfyUI's scaled fp8 included), ``*.safetensors.index.json`` or a folder of shards, or ``.gguf``.
         torch_dtype: cast floating tensors to this dtype as they are read (norm scales stay float32);
             None keeps the stored dtypes.
         config: transformer config kwargs; inferred from the tensor shapes when None.
+        upcast_fp8: dequantize a scaled-fp8 file's weights to ``torch_dtype`` (None: the file's other tensors' dtype)
+            instead of keeping them in fp8 with their scales (``Fp8Linear``, computed in the input's dtype).
     """
     path = Path(path)
     if path.suffix == ".gguf":
@@ -161,7 +162,7 @@ def load_single_file(cls, path, torch_dtype: torch.dtype | None = None, config: 
         return load_gguf_transformer(cls, path, config=config, torch_dtype=torch_dtype)
     files = _shard_files(path)
     headers = {f: read_safetensors_header(f)[0] for f in files}
-    keys = [k for h in headers.values() for k in h]
+    keys = [k for h in headers.values() for k in h if not comfy_fp8.is_auxiliary(k)]
     layout = _identify(keys, path)
     if layout == "original":
         dormant = [k for k in keys if strip_original_prefix(k).startswith(DORMANT_ORIGINAL_PREFIXES)]
@@ -173,19 +174,23 @@ def load_single_file(cls, path, torch_dtype: torch.dtype | None = None, config: 
                     original_module_to_diffusers(k)
                 except UnknownKeyError:
                     raise CheckpointError(f"{path}: unexpected tensor {k!r} (not part of Krea 2)") from None
-        shapes = {strip_original_prefix(k): tuple(e["shape"]) for h in headers.values() for k, e in h.items()}
+        shapes = {strip_original_prefix(k): tuple(e["shape"]) for h in headers.values() for k, e in h.items() if k in keys}
         if config is None:
             config = infer_config_from_shapes(shapes)
     elif config is None:
         raise CheckpointError(f"{path}: a diffusers-layout single file needs `config=` (or load its folder with from_pretrained)")
-    state_dict: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {}
     choose = _target_dtype(torch_dtype)
     for f, header in headers.items():
         names = [k for k in header if not strip_original_prefix(k).startswith(DORMANT_ORIGINAL_PREFIXES)]
-        tensors = read_safetensors(f, names, dtype_for=lambda n, d: choose(strip_original_prefix(n), d))
-        state_dict.update(convert_original_to_diffusers(tensors) if layout == "original" else tensors)
-        del tensors
-    return load_state_dict_into_meta_model(cls, state_dict, config, str(path))
+        tensors.update(read_safetensors(f, names, dtype_for=lambda n, d: choose(strip_original_prefix(n), d)))
+    tensors, scales = comfy_fp8.split_scales(tensors, str(path))
+    if layout == "original":
+        tensors = convert_original_to_diffusers(tensors)
+        scales = {original_module_to_diffusers(layer): scale for layer, scale in scales.items()}
+    if upcast_fp8:
+        tensors, scales = comfy_fp8.dequantize(tensors, scales, torch_dtype), {}
+    return finish_fp8(load_state_dict_into_meta_model(cls, tensors, config, str(path)), scales)
 
 
 @dataclass(frozen=True)
@@ -215,6 +220,9 @@ def locate_transformer_tensors(path, config: dict | None = None) -> tuple[dict, 
         config = {k: v for k, v in json.loads((path / "config.json").read_text()).items() if not k.startswith("_")}
     files = _shard_files(path)
     headers = {f: read_safetensors_header(f) for f in files}
+    if any(comfy_fp8.is_scaled_fp8(h, meta) for h, meta, _ in headers.values()):
+        raise CheckpointError(f"{path}: a scaled-fp8 file holds rounded weights that cannot be trained in place; "
+                              "train from a bf16/fp32 file (or a LoRA over it with model.quantize: fp8)")
     keys = [k for h, _, _ in headers.values() for k in h]
     layout = _identify(keys, path)
     if layout == "original" and config is None:

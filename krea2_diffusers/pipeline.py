@@ -81,7 +81,10 @@ class Krea2Pipeline(DiffusionPipeline):
         is_distilled = kwargs.pop("is_distilled", None)
         if is_tiny(pretrained_model_name_or_path):
             dtype = kwargs.pop("torch_dtype", None) or torch.float32
-            pipe = cls(**tiny_components(seed=kwargs.pop("seed", 0), torch_dtype=dtype), is_distilled=bool(is_distilled))
+            components = tiny_components(seed=kwargs.pop("seed", 0), torch_dtype=dtype)
+            # Components passed in replace the tiny ones, as diffusers' from_pretrained does.
+            components.update({k: kwargs[k] for k in components if kwargs.get(k) is not None})
+            pipe = cls(**components, is_distilled=bool(is_distilled))
             pipe.label = TINY_LABEL
             logger.warning("Loaded %s", TINY_LABEL)
             return pipe
@@ -111,16 +114,23 @@ class Krea2Pipeline(DiffusionPipeline):
 
     @classmethod
     def from_single_file(cls, path, text_encoder="Qwen/Qwen3-VL-4B-Instruct", vae="Qwen/Qwen-Image", tokenizer=None,
-                         torch_dtype=None, is_distilled: bool | None = None, **load_kwargs):
-        """Assemble a pipeline from a RAW or Turbo transformer file (safetensors or GGUF) plus the
-        Qwen3-VL-4B-Instruct text encoder and the Qwen-Image VAE (hub ids, local folders or loaded models).
+                         torch_dtype=None, is_distilled: bool | None = None, text_encoder_config=None,
+                         upcast_fp8: bool = False, **load_kwargs):
+        """Assemble a pipeline from a RAW or Turbo transformer file (safetensors, ComfyUI scaled fp8 or
+        GGUF) plus the Qwen3-VL-4B-Instruct text encoder and the Qwen-Image VAE.
 
-        ``is_distilled`` defaults to whether the file name says Turbo/TDM.
+        ``text_encoder`` and ``vae`` may each be a hub id, a local folder, a loaded model, or ONE
+        safetensors file as ComfyUI keeps them (``qwen3vl_4b_*.safetensors`` in Hugging Face layout,
+        bf16 or scaled fp8; ``qwen_image_vae.safetensors`` in Wan 2.1 or diffusers layout).
+        ``text_encoder_config`` (folder, JSON file or ``Qwen3VLConfig``) is for single-file text
+        encoders other than the 4B. fp8 files stay fp8 with their scales (bf16 compute) unless
+        ``upcast_fp8``. ``is_distilled`` defaults to whether the file name says Turbo/TDM.
         """
         from .assembly import assemble_from_single_file
 
         return assemble_from_single_file(cls, path, text_encoder=text_encoder, vae=vae, tokenizer=tokenizer,
-                                         torch_dtype=torch_dtype, is_distilled=is_distilled, **load_kwargs)
+                                         torch_dtype=torch_dtype, is_distilled=is_distilled,
+                                         text_encoder_config=text_encoder_config, upcast_fp8=upcast_fp8, **load_kwargs)
 
     @property
     def is_distilled(self) -> bool:

@@ -118,6 +118,24 @@ def truncate_for_strength(times: torch.Tensor, strength: float) -> torch.Tensor:
     return times[start:]
 
 
+def denoise_sigmas(num_inference_steps: int, denoise: float) -> list[float]:
+    """ComfyUI's ``denoise`` as a custom unshifted grid: the last ``num_inference_steps`` points (no
+    final 0) of an ``int(num_inference_steps / denoise)``-step grid.
+
+    ComfyUI runs all of ``steps`` from part-way into a longer schedule, where diffusers'
+    ``strength`` (:func:`truncate_for_strength`) runs part of ``steps``. Passed as ``sigmas`` with
+    ``strength=1`` (run the whole grid given) to the img2img / inpainting pipelines, sampling starts
+    on the image noised at this grid's first (shifted) time: ComfyUI's rule, on the one img2img path.
+    """
+    if isinstance(denoise, bool) or not isinstance(denoise, (int, float)) or not 0.0 < denoise <= 1.0:
+        raise ValueError(f"denoise must be in (0, 1], got {denoise!r}")
+    if not isinstance(num_inference_steps, int) or num_inference_steps < 1:
+        raise ValueError(f"num_inference_steps must be a positive integer, got {num_inference_steps!r}")
+    total = max(num_inference_steps, int(num_inference_steps / denoise))
+    grid = torch.linspace(1.0, 0.0, total + 1, dtype=torch.float64)
+    return grid[-(num_inference_steps + 1):-1].tolist()
+
+
 def noised(x0: torch.Tensor, noise: torch.Tensor, t: float) -> torch.Tensor:
     """The flow's point at time t: ``(1 - t) x0 + t noise``, in float32 at least (t = 1 gives the noise exactly)."""
     dtype = torch.promote_types(x0.dtype, torch.float32)
@@ -143,7 +161,8 @@ class ImageStart:
         image_latents: (K, N, 64) packed model latents x0 of the input image(s) (normalised, as
             ``latents.encode_images`` returns them; the posterior mode for an encoded image); K is 1
             (shared by the batch) or one per prompt.
-        strength: in [0, 1]: how much of the schedule runs (see :func:`truncate_for_strength`).
+        strength: in [0, 1]: how much of the schedule runs (see :func:`truncate_for_strength`); with
+            custom ``sigmas`` it truncates that grid (strength 1 with :func:`denoise_sigmas` is ComfyUI's ``denoise``).
         repaint: (K, N, 64) bool, True where inpainting repaints; None for plain img2img.
     """
 

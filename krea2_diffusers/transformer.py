@@ -254,16 +254,20 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         self.final_layer = FinalLayer(dim, in_channels, norm_eps)
 
     @classmethod
-    def from_single_file(cls, path, torch_dtype: torch.dtype | None = None, config: dict | None = None):
+    def from_single_file(cls, path, torch_dtype: torch.dtype | None = None, config: dict | None = None,
+                         upcast_fp8: bool = False):
         """Load from an original-layout single file (``model.diffusion_model.`` prefix allowed, or
         sharded with an index), a diffusers-layout file (with ``config``) or a GGUF file.
+
+        ComfyUI's scaled-fp8 files keep their fp8 weights and scales (bf16 compute) unless
+        ``upcast_fp8`` dequantizes them to ``torch_dtype``.
 
         The config is inferred from tensor shapes when not given; no ``torch_dtype`` keeps the stored
         dtypes. The model is built on the meta device, so loading needs about one copy of the weights.
         """
         from .loading import load_single_file
 
-        return load_single_file(cls, path, torch_dtype=torch_dtype, config=config)
+        return load_single_file(cls, path, torch_dtype=torch_dtype, config=config, upcast_fp8=upcast_fp8)
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -75,9 +75,10 @@ def run_node(class_type: str, **inputs):
 def models_dir(tmp_path, monkeypatch):
     """A ComfyUI-like models folder (read through $KREA2_MODELS_DIR when ComfyUI is absent)."""
     monkeypatch.setenv(comfy_bridge.MODELS_DIR_ENV, str(tmp_path))
-    for name in ("diffusion_models/krea-2-turbo.safetensors", "diffusion_models/krea-2-raw.safetensors",
+    for name in ("diffusion_models/krea2_turbo_bf16.safetensors", "diffusion_models/krea2_raw_bf16.safetensors",
                  "diffusion_models/gguf/krea-2-turbo-Q4_0.gguf", "diffusion_models/notes.txt",
-                 "loras/krea2-style-lora.safetensors", "loras/krea2_style_reference.safetensors", "vae/qwen_image_vae.safetensors", "diffusers/Krea-2-Turbo/model_index.json",
+                 "loras/krea2-style-lora.safetensors", "loras/krea2_style_reference.safetensors", "vae/qwen_image_vae.safetensors",
+                 "text_encoders/qwen3vl_4b_bf16.safetensors", "text_encoders/qwen3vl_4b_fp8_scaled.safetensors", "diffusers/Krea-2-Turbo/model_index.json",
                  "diffusers/Krea-2-Turbo/transformer/config.json", "text_encoders/Qwen3-VL-4B-Instruct/config.json"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("{}")
@@ -110,10 +111,15 @@ def test_every_node_has_a_complete_v1_schema():
 
 def test_model_lists_come_from_the_model_folders(models_dir):
     assert list(models.transformer_choices()) == [
-        "tiny-random", "diffusers/Krea-2-Turbo", "gguf/krea-2-turbo-Q4_0.gguf", "krea-2-raw.safetensors", "krea-2-turbo.safetensors"]
+        "tiny-random", "diffusers/Krea-2-Turbo", "gguf/krea-2-turbo-Q4_0.gguf", "krea2_raw_bf16.safetensors",
+        "krea2_turbo_bf16.safetensors"]
     loader = declared_inputs(nodes.Krea2ModelLoader)
-    assert loader["text_encoder"][0] == [models.HUB_TEXT_ENCODER, "Qwen3-VL-4B-Instruct"]
-    assert loader["vae"][0] == [models.HUB_VAE]  # single files are not loadable as VAE: not offered
+    assert loader["text_encoder"][0] == ["tiny-random", models.HUB_TEXT_ENCODER, "Qwen3-VL-4B-Instruct",
+                                         "qwen3vl_4b_bf16.safetensors", "qwen3vl_4b_fp8_scaled.safetensors"]
+    assert loader["text_encoder"][1]["default"] == "qwen3vl_4b_bf16.safetensors"  # bf16 before fp8
+    # ComfyUI's single-file VAE is offered, and is the default when its usual name is present
+    assert loader["vae"][0] == ["tiny-random", models.HUB_VAE, "qwen_image_vae.safetensors"]
+    assert loader["vae"][1]["default"] == "qwen_image_vae.safetensors"
     assert declared_inputs(nodes.Krea2LoraLoader)["lora_name"][0] == ["krea2-style-lora.safetensors", "krea2_style_reference.safetensors"]
 
 
@@ -154,7 +160,7 @@ def test_loader_to_sampler_on_tiny_random(tiny_model):
                              steps=2, guidance=-1.0, seed=3, batch_size=2)
     assert image.dtype == torch.float32 and image.shape == (2, 48, 64, 3)
     assert 0 <= image.min() and image.max() <= 1 and image.std() > 0
-    assert latent["samples"].shape == (2, 16, 6, 8)
+    assert latent["samples"].shape == (2, 16, 1, 6, 8)  # ComfyUI's 5-D layout for the Qwen-Image VAE
     # Image i of a batch uses seed + i.
     (second,), _ = run_node("Krea2Sampler", pipeline=tiny_model, prompt="a red fox", negative_prompt="", width=64, height=48,
                             steps=2, guidance=-1.0, seed=4, batch_size=1)
@@ -162,7 +168,7 @@ def test_loader_to_sampler_on_tiny_random(tiny_model):
     # The LATENT is in the VAE's own space: decoding it the way ComfyUI's VAE Decode does gives the IMAGE.
     vae = tiny_model.pipeline().vae
     with torch.no_grad():
-        decoded = vae.decode(latent["samples"][:, :, None], return_dict=False)[0][:, :, 0]
+        decoded = vae.decode(latent["samples"], return_dict=False)[0][:, :, 0]
     torch.testing.assert_close(((decoded.clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 1), image, atol=1e-5, rtol=0)
 
 
@@ -450,3 +456,26 @@ def test_validator_rejects_a_broken_workflow(models_dir):
     api["2"]["inputs"]["width"] = 1000  # not a multiple of 16
     with pytest.raises(AssertionError, match="not on its step"):
         validate_api_workflow(api)
+
+
+def test_sampler_latent_input_4d_or_5d_mask_and_bad_latents(tiny_model):
+    """Native VAEEncode gives 5-D latents, older graphs 4-D: the same image; a SetLatentNoiseMask-style
+    ``noise_mask`` works like the mask input; other channel counts are refused naming the shape."""
+    raw = torch.randn(1, 16, 1, 4, 6, generator=torch.Generator().manual_seed(0))
+
+    def sample(latent, **kwargs):
+        return run_node("Krea2Sampler", pipeline=tiny_model, prompt="a fox", negative_prompt="", width=512, height=512,
+                        steps=2, guidance=0.0, seed=1, batch_size=1, latent=latent, **kwargs)
+
+    five, latent_out = sample({"samples": raw}, denoise=0.5)
+    four, _ = sample({"samples": raw[:, :, 0]}, denoise=0.5)
+    assert five.shape == (1, 32, 48, 3) and latent_out["samples"].shape == (1, 16, 1, 4, 6)
+    torch.testing.assert_close(four, five, rtol=0, atol=0)
+    mask = torch.zeros(1, 32, 48)
+    mask[:, :, 24:] = 1
+    masked, _ = sample({"samples": raw}, denoise=0.5, mask=mask)
+    noise_masked, _ = sample({"samples": raw, "noise_mask": mask})
+    assert (masked - five).abs().max() > 1e-3
+    assert noise_masked.shape == masked.shape
+    with pytest.raises(ValueError, match=r"latent input: shape \(1, 4, 4, 6\) is not \(B, 16"):
+        sample({"samples": torch.zeros(1, 4, 4, 6)})

@@ -17,11 +17,12 @@ sys.path.insert(0, str(HERE.parents[1]))
 
 from comfy_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
 
-TURBO_FILE, RAW_FILE = "krea-2-turbo.safetensors", "krea-2-raw.safetensors"
+# The file names ComfyUI's own Krea 2 repackaging uses (models/diffusion_models, text_encoders, vae).
+TURBO_FILE, RAW_FILE = "krea2_turbo_bf16.safetensors", "krea2_raw_bf16.safetensors"
 LORA_FILE = "krea2-style-lora.safetensors"
 STYLE_LORA_FILE = "krea2_style_reference.safetensors"  # the community style-reference LoRA
 STYLE_IMAGES = ("style_ref_1.png", "style_ref_2.png")
-HUB_TE, HUB_VAE = "Qwen/Qwen3-VL-4B-Instruct", "Qwen/Qwen-Image"
+TEXT_ENCODER_FILE, VAE_FILE = "qwen3vl_4b_bf16.safetensors", "qwen_image_vae.safetensors"
 
 # The two core nodes the examples use (their schemas, as ComfyUI declares them).
 CORE_NODES = {
@@ -47,13 +48,14 @@ def is_widget(spec) -> bool:
 
 
 def loader(model, variant):
-    return ("Krea2ModelLoader", {"model": model, "variant": variant, "text_encoder": HUB_TE, "vae": HUB_VAE,
+    return ("Krea2ModelLoader", {"model": model, "variant": variant, "text_encoder": TEXT_ENCODER_FILE, "vae": VAE_FILE,
                                  "dtype": "bfloat16", "memory": "auto"})
 
 
 def sampler(prompt, steps, guidance, negative="", seed=42, **links):
     return ("Krea2Sampler", {"pipeline": None, "prompt": prompt, "negative_prompt": negative, "width": 1024, "height": 1024,
-                             "steps": steps, "guidance": guidance, "seed": seed, "batch_size": 1, "style_mode": "reference", **links})
+                             "steps": steps, "guidance": guidance, "seed": seed, "batch_size": 1, "style_mode": "reference", "denoise": 1.0,
+                             **links})
 
 
 def save(prefix):

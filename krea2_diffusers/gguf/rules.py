@@ -20,6 +20,23 @@ SMALL_TENSOR_MAX_VALUES = 1024
 UNQUANTIZED_PREFIXES = ("first.", "last.", "tproj.", "tmlp.", "txtmlp.", "txtfusion.projector.")
 # Unquantized matrices keep their stored precision when GGUF can hold it, else F32.
 FLOAT_STORAGE = {"F32": Q.F32, "F16": Q.F16, "BF16": Q.BF16}
+# Modulation tables (``blocks.N.mod.lin``, ``last.modulation.lin``) are plain parameters that
+# ComfyUI-GGUF copies raw, without dequantizing: only F32 arrives with the right shape and dtype.
+MODULATION_SUFFIXES = (".mod.lin", "last.modulation.lin")
+
+
+def is_small_or_table(name: str, shape: tuple[int, ...]) -> bool:
+    """Vectors, tiny tensors and modulation tables: always stored F32."""
+    n_values = 1
+    for dim in shape:
+        n_values *= dim
+    return len(shape) < 2 or n_values <= SMALL_TENSOR_MAX_VALUES or name.endswith(MODULATION_SUFFIXES)
+
+
+def is_quantizable(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether a transformer tensor (original name, no prefix) is one of the large matrices any
+    quantized format (GGUF, ComfyUI's scaled fp8) stores at low precision."""
+    return not is_small_or_table(name, shape) and not name.startswith(UNQUANTIZED_PREFIXES)
 
 
 def storage_type(name: str, shape: tuple[int, ...], stored_dtype: str, qtype: GGMLQuantizationType) -> GGMLQuantizationType:
@@ -31,10 +48,7 @@ def storage_type(name: str, shape: tuple[int, ...], stored_dtype: str, qtype: GG
         stored_dtype: safetensors dtype string of the source (``"BF16"``, ``"F32"`` ...).
         qtype: the file's quantization type.
     """
-    n_values = 1
-    for dim in shape:
-        n_values *= dim
-    if len(shape) < 2 or n_values <= SMALL_TENSOR_MAX_VALUES:
+    if is_small_or_table(name, shape):
         return Q.F32
     if name.startswith(UNQUANTIZED_PREFIXES):
         return FLOAT_STORAGE.get(stored_dtype, Q.F32)
