@@ -36,19 +36,20 @@ class MetricsLogger:
         if progress_bar:
             self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 
-    def log(self, step: int, loss: float, lr: float, grad_norm: float) -> None:
+    def log(self, step: int, loss: float, lr: float, grad_norm: float, extra: dict[str, float] | None = None) -> None:
+        """``extra``: further scalars of this step (e.g. post-training's ``reward_mean``,
+        ``heldout/margin``), written into the same row and under ``train/`` in TensorBoard."""
         if not self.enabled:
             return
         now = time.perf_counter()
-        row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time": now - self._last}
+        row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time": now - self._last, **(extra or {})}
         self._last = now
         if step % self.every == 0:
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()  # readable while training runs (and after a kill -9)
             if self.writer is not None:
-                self.writer.add_scalar("train/loss", loss, step)
-                self.writer.add_scalar("train/lr", lr, step)
-                self.writer.add_scalar("train/grad_norm", grad_norm, step)
+                for name in ("loss", "lr", "grad_norm", *(extra or {})):
+                    self.writer.add_scalar(f"train/{name}", row[name], step)
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
             self.bar.update(1)

@@ -85,6 +85,8 @@ class Trainer:
         self.runtime = setup_runtime(config)
         self.out = Path(config.output_dir)
         self.ckpt_dir = self.out / "checkpoints"
+        # Further scalars of the last step for metrics.jsonl (post-training's rewards, margins ...).
+        self.extra_metrics: dict[str, float] = {}
 
     # ---------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -252,7 +254,7 @@ class Trainer:
                     loss, grad_norm = self.train_step(step)
                     step += 1
                     result.losses[step] = loss
-                    metrics.log(step, loss, self.lr_scheduler.get_last_lr()[0], grad_norm)
+                    metrics.log(step, loss, self.lr_scheduler.get_last_lr()[0], grad_norm, self.extra_metrics)
                     stopping = runtime.any(stop.requested)
                     if stopping or (every > 0 and step % every == 0) or step == config.training.max_steps:
                         self.save(step)

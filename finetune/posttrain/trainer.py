@@ -1,0 +1,101 @@
+"""What the three post-training methods share, on top of the training engine.
+
+:class:`PosttrainTrainer` is a :class:`finetune.trainer.Trainer`: the loop, signals, checkpoints
+(``--resume``), ``metrics.jsonl`` and exports are the engine's. A method supplies its inputs
+(pairs or prompts, checked before any model loads), optionally what it trains, and one
+optimizer step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import torch
+
+from .. import checkpoint as ckpt
+from ..methods import add_lora, prepare_full_finetune, trainable_parameter_count
+from ..optim import make_lr_scheduler, make_optimizer
+from ..parallel import wrap_model
+from ..rundir import check_output_dir, config_fingerprint
+from ..trainer import Trainer, _step_generator
+from .config import PosttrainConfig
+from .reference import Reference
+
+logger = logging.getLogger("finetune")
+
+
+class PosttrainTrainer(Trainer):
+    config: PosttrainConfig
+
+    # ---------------------------------------------------------------- hooks
+    def prepare_inputs(self) -> None:
+        """Read and check the method's inputs; runs before any model loads."""
+
+    def encode_inputs(self) -> None:
+        """Encode what needs the text encoder / VAE (the pipeline is loaded)."""
+
+    def trainable_module(self, transformer: torch.nn.Module) -> torch.nn.Module:
+        """Attach LoRA adapters or prepare every weight; returns the module the engine trains."""
+        if self.config.training.method == "lora":
+            add_lora(transformer, self.config.lora)
+        else:
+            prepare_full_finetune(transformer)
+        return transformer
+
+    def param_groups(self) -> list:
+        return self.params
+
+    # ---------------------------------------------------------------- setup
+    def setup(self) -> None:
+        config, runtime = self.config, self.runtime
+        check_output_dir(self.out, config, self.resume)
+        self.prepare_inputs()
+        runtime.barrier()
+        if runtime.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            run = {"fingerprint": config_fingerprint(config), "config": config.to_dict(), "world_size": runtime.world_size}
+            if not (self.out / "run.json").exists():
+                (self.out / "run.json").write_text(json.dumps(run, indent=2))
+            ckpt.clean_staging(self.ckpt_dir)
+
+        from ..model import load_pipeline
+
+        self.pipe = load_pipeline(config.model.pretrained_model_name_or_path, config.model.dtype, runtime.device)
+        self.encode_inputs()
+        if runtime.device.type == "cuda":
+            self.pipe.text_encoder.to("cpu")
+            torch.cuda.empty_cache()
+        transformer = self.pipe.transformer
+        torch.manual_seed(config.training.seed)
+        self.reference = Reference(transformer, lora=config.training.method == "lora")
+        module = self.trainable_module(transformer)
+        module.train()
+        self.model = wrap_model(module, config, runtime)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(self.param_groups(), config.optimizer)
+        self.lr_scheduler = make_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.max_steps)
+        self.start_step = self._restore() if self.resume else 0
+        if runtime.is_main:
+            logger.info("%s: training %d parameters, %d process(es)", config.method,
+                        trainable_parameter_count(module), runtime.world_size)
+
+    # ---------------------------------------------------------------- shared pieces
+    def generator(self, index: int) -> torch.Generator:
+        """Noise of step/micro-batch ``index``: the same for every process count and after a resume."""
+        return _step_generator(self.config.training.seed, index)
+
+    def optimizer_step(self) -> float:
+        """Clip, step the optimizer and the schedule, clear gradients; returns the gradient norm."""
+        max_norm = self.config.optimizer.max_grad_norm
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm else float("inf"))
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    def eval_due(self, step: int, every: int) -> bool:
+        """``step`` is 0-based; evaluation runs after optimizer steps ``every``, ``2 every`` ... and the last."""
+        done = step + 1
+        return every > 0 and (done % every == 0 or done == self.config.training.max_steps)
