@@ -43,10 +43,12 @@ def export_lora(trainable_state: dict[str, torch.Tensor], config: TrainConfig, o
     return written
 
 
-def export_full(state: dict[str, torch.Tensor], transformer_config: dict, config: TrainConfig, out_dir: Path, steps: int) -> list[Path]:
-    """Full fine-tune: ``transformer/`` (diffusers folder) and/or ``krea2_original.safetensors``."""
+def export_full(state: dict[str, torch.Tensor], transformer_config: dict, config: TrainConfig, out_dir: Path, steps: int,
+                metadata: dict[str, str] | None = None) -> list[Path]:
+    """Full fine-tune: ``transformer/`` (diffusers folder) and/or ``krea2_original.safetensors``;
+    ``metadata`` is added to both files' headers (e.g. ``krea2.is_distilled``)."""
     meta = {"format": "pt", "krea2.base_model": config.export.base_model or config.model.pretrained_model_name_or_path,
-            "krea2.steps": str(steps)}
+            "krea2.steps": str(steps), **(metadata or {})}
     state = {k: v.contiguous() for k, v in state.items()}
     written = []
     if "diffusers" in config.export.formats:

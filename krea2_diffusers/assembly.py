@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .presets import looks_distilled
+from .presets import distillation_from_metadata, looks_distilled
 from .tiny import is_tiny, tiny_components
 from .transformer import Krea2Transformer2DModel
 
@@ -43,6 +43,23 @@ def _load_tokenizer(tokenizer, text_encoder_source):
     return qwen_tokenizer()
 
 
+def recorded_distillation(path) -> tuple[bool | None, int | None]:
+    """What a transformer file (or a diffusers folder's ``transformer/``) says about itself:
+    (is_distilled, step count) from its safetensors metadata, or (None, None)."""
+    from .files import CheckpointError, read_safetensors_header
+
+    path = Path(path)
+    if path.is_dir():
+        files = sorted((path / "transformer").glob("*.safetensors")) or sorted(path.glob("*.safetensors"))
+        path = files[0] if files else path
+    if path.suffix != ".safetensors" or not path.is_file():
+        return None, None
+    try:
+        return distillation_from_metadata(read_safetensors_header(path)[1])
+    except CheckpointError:
+        return None, None
+
+
 def assemble_from_single_file(cls, path, *, text_encoder, vae, tokenizer=None, torch_dtype=None, is_distilled=None, **load_kwargs):
     """See :meth:`Krea2Pipeline.from_single_file`. ``text_encoder``/``vae`` may be ``"tiny-random"`` (tests)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
@@ -54,10 +71,12 @@ def assemble_from_single_file(cls, path, *, text_encoder, vae, tokenizer=None, t
     te = tiny["text_encoder"] if is_tiny(text_encoder) else _load_text_encoder(text_encoder, torch_dtype, **load_kwargs)
     tok = tiny["tokenizer"] if is_tiny(text_encoder) and tokenizer is None else _load_tokenizer(tokenizer, text_encoder)
     ae = tiny["vae"] if is_tiny(vae) else _load_vae(vae, torch_dtype, **load_kwargs)
-    distilled = looks_distilled(Path(path).name) if is_distilled is None else bool(is_distilled)
+    recorded, steps = recorded_distillation(path)
+    if is_distilled is None:
+        is_distilled = recorded if recorded is not None else looks_distilled(Path(path).name)
     return cls(
         scheduler=FlowMatchEulerDiscreteScheduler(**scheduler_config()), vae=ae, text_encoder=te, tokenizer=tok,
-        transformer=transformer, is_distilled=distilled,
+        transformer=transformer, is_distilled=bool(is_distilled), distilled_steps=steps if is_distilled else None,
     )
 
 

@@ -100,15 +100,13 @@ class DistillConfig:
     prompts_file: str | None = None
     student_steps: int = 8
     teacher_steps: int = 28
-    """Steps of the teacher's reference samples (evaluation only: training is data-free)."""
+    """The teacher's own step count (recorded; training is data-free and never samples the teacher)."""
     teacher_guidance: float = 3.5
     """CFG of the teacher (Krea convention, RAW's default); the student learns guidance in."""
     negative_prompt: str = ""
     resolution: int = 1024
     fake_learning_rate: float | None = None
     """Learning rate of the fake-score model (default: ``optimizer.learning_rate``)."""
-    eval_every_n_steps: int = 0
-    eval_seeds: int = 4
 
 
 @dataclass

@@ -81,8 +81,8 @@ class PosttrainTrainer(Trainer):
                         trainable_parameter_count(module), runtime.world_size)
 
     # ---------------------------------------------------------------- shared pieces
-    def generator(self, index: int) -> torch.Generator:
-        """Noise of step/micro-batch ``index``: the same for every process count and after a resume."""
+    def generator(self, index: int | str) -> torch.Generator:
+        """Noise of step/micro-batch ``index`` (or a named stream): the same after a resume."""
         return _step_generator(self.config.training.seed, index)
 
     def optimizer_step(self) -> float:
