@@ -25,7 +25,7 @@ from krea2_diffusers.conditioning import pad_conditioning
 
 from .prompt_pool import PoolLog, PromptPool
 from .rewards import RewardError, group_advantages, load_rewards, score
-from .rollout import decode_to_pil, initial_noise, ode_samples, schedule, sde_rollout, step_log_prob, text_positions
+from .rollout import decode_to_pil, initial_noise, ode_samples, schedule, sde_rollout, step_log_prob, text_fusion_frozen, text_inputs
 from .trainer import PosttrainTrainer
 
 logger = logging.getLogger("finetune")
@@ -65,6 +65,10 @@ class GRPOTrainer(PosttrainTrainer):
             self.text.append((embeds.cpu(), mask.cpu()))
         self.times = schedule(self.config.grpo.num_inference_steps, self.size, self.size)
 
+    def setup(self) -> None:
+        super().setup()
+        self.reuse_text = text_fusion_frozen(self.model)
+
     def _restore(self) -> int:
         step = super()._restore()
         self.pool_log.replay(self.pool, step)
@@ -102,9 +106,9 @@ class GRPOTrainer(PosttrainTrainer):
 
         # 1. Rollouts with the current weights, and their rewards.
         embeds, mask = self.conditioning(prompt_ids, group)
+        text = text_inputs(self.model, embeds, mask, self.size, self.size, reuse=self.reuse_text)
         self.model.eval()
-        rollout = sde_rollout(self.model, embeds, mask, noise, self.times, explore, section.noise_level, sde_generator,
-                              self.size, self.size)
+        rollout = sde_rollout(self.model, text, noise.to(runtime.device), self.times, explore, section.noise_level, sde_generator)
         self.model.train()
         prompts = [self.prompts[i] for i in prompt_ids for _ in range(group)]
         metadata = [{"prompt_index": i, "step": step + 1, "sample": k} for i in prompt_ids for k in range(group)]
@@ -119,7 +123,6 @@ class GRPOTrainer(PosttrainTrainer):
             self.pool_log.append(step + 1, groups)
 
         # 2. Clipped-ratio updates on the exploring steps, with the KL to the base weights.
-        positions = text_positions(embeds, self.size, self.size)
         t_cap = self.times[1]
         stats = {"policy_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
         grad_norm = 0.0
@@ -127,9 +130,9 @@ class GRPOTrainer(PosttrainTrainer):
             for k, (t, t_next) in enumerate(rollout.times):
                 with runtime.autocast():
                     log_probs, mean, std = step_log_prob(self.model, rollout.states[k], rollout.next_states[k], t, t_next,
-                                                         t_cap, section.noise_level, embeds, mask, positions)
+                                                         t_cap, section.noise_level, text)
                 _, ref_mean, _ = step_log_prob(_Frozen(self), rollout.states[k], rollout.next_states[k], t, t_next,
-                                               t_cap, section.noise_level, embeds, mask, positions)
+                                               t_cap, section.noise_level, text)
                 policy, clipped = clipped_policy_loss(log_probs, rollout.log_probs[k], advantages, section.clip_range)
                 kl = gaussian_step_kl(mean, ref_mean, std)
                 loss = (policy + section.kl_weight * kl).mean() / len(rollout.times)
@@ -161,9 +164,10 @@ class GRPOTrainer(PosttrainTrainer):
         embeds, mask = self.conditioning(ids, section.eval_seeds)
         noise = initial_noise(len(ids) * section.eval_seeds, self.pipe.transformer.config.in_channels, self.size, self.size,
                               self.generator(EVAL_SEED_INDEX))
+        text = text_inputs(self.model, embeds, mask, self.size, self.size, reuse=self.reuse_text)
         self.model.eval()
         try:
-            latents = ode_samples(self.model, embeds, mask, noise, self.times, self.size, self.size)
+            latents = ode_samples(self.model, text, noise.to(self.runtime.device), self.times)
         finally:
             self.model.train()
         prompts = [self.prompts[i] for i in ids for _ in range(section.eval_seeds)]

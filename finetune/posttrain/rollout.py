@@ -15,6 +15,11 @@ import torch
 from krea2_diffusers import sampling
 from krea2_diffusers.latents import PATCH_SIZE, PIXELS_PER_TOKEN, decode_latents, pack_latents, position_ids, unpack_latents
 
+from ..parallel import unwrap
+
+# Parameter-name prefixes of the timestep-independent text path (Krea2Transformer2DModel.prepare_conditioning).
+TEXT_PATH = ("text_fusion.", "txt_in.")
+
 
 @dataclass
 class Rollout:
@@ -43,34 +48,49 @@ def initial_noise(batch: int, channels: int, height: int, width: int, generator:
     return pack_latents(torch.randn(shape, generator=generator))
 
 
-def velocity(model, latents: torch.Tensor, t: float, embeds: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The transformer's velocity (B, N, C) at time ``t`` (a plain forward: LoRA/FSDP wrappers see it)."""
+def velocity(model, latents: torch.Tensor, t: float, text: dict) -> torch.Tensor:
+    """The transformer's velocity (B, N, C) at time ``t`` (a plain forward: LoRA/FSDP wrappers see
+    it); ``text`` from :func:`text_inputs`."""
     timestep = torch.full((latents.shape[0],), t, device=latents.device, dtype=torch.float32)
-    return model(hidden_states=latents, encoder_hidden_states=embeds, timestep=timestep, position_ids=positions,
-                 encoder_attention_mask=mask, return_dict=False)[0].float()
+    return model(hidden_states=latents, timestep=timestep, return_dict=False, **text)[0].float()
 
 
 def text_positions(embeds: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return position_ids(embeds.shape[1], height // PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN, embeds.device)
 
 
+def text_fusion_frozen(model: torch.nn.Module) -> bool:
+    """True when no trained weight acts on the text path (the usual LoRA): its output is then
+    the same for every step, for the trained model and for the reference."""
+    return not any(p.requires_grad for n, p in unwrap(model).named_parameters() if n.startswith(TEXT_PATH))
+
+
+def text_inputs(model, embeds: torch.Tensor, mask: torch.Tensor, height: int, width: int, reuse: bool) -> dict:
+    """The transformer's text keyword arguments. With ``reuse`` (:func:`text_fusion_frozen`) the
+    text fusion runs once here, as the pipeline does per generation, instead of in every forward."""
+    positions = text_positions(embeds, height, width)
+    if reuse:
+        with torch.no_grad():
+            return {"conditioning": unwrap(model).prepare_conditioning(embeds, positions, mask)}
+    return dict(encoder_hidden_states=embeds, position_ids=positions, encoder_attention_mask=mask)
+
+
 @torch.no_grad()
-def sde_rollout(model, embeds, mask, noise: torch.Tensor, times: list[float], explore: list[int], noise_level: float,
-                generator: torch.Generator, height: int, width: int) -> Rollout:
+def sde_rollout(model, text: dict, noise: torch.Tensor, times: list[float], explore: list[int], noise_level: float,
+                generator: torch.Generator) -> Rollout:
     """Sample without guidance from ``noise`` (B, N, C); steps in ``explore`` use the SDE.
 
     Args:
-        embeds, mask: (B, L, layers, dim) and (B, L) conditioning, one row per sample.
+        text: :func:`text_inputs`, one row per sample.
         times: :func:`schedule`; explore: sorted step indices.
         generator: the SDE's noise (CPU), drawn step by step in order.
     """
-    positions = text_positions(embeds, height, width)
     t_cap = times[1]  # the SDE's diffusion diverges at t = 1: the first step uses the second time's
-    latents = noise.to(embeds.device, torch.float32)
+    latents = noise.float()
     states, next_states, log_probs = [], [], []
     for i in range(len(times) - 1):
         t, t_next = times[i], times[i + 1]
-        v = velocity(model, latents, t, embeds, mask, positions)
+        v = velocity(model, latents, t, text)
         if i in explore:
             step_noise = torch.randn(latents.shape, generator=generator).to(latents.device)
             following, mean, std = sampling.sde_step(latents, v, t, t_next, noise_level, noise=step_noise, t_cap=t_cap)
@@ -85,19 +105,18 @@ def sde_rollout(model, embeds, mask, noise: torch.Tensor, times: list[float], ex
 
 
 @torch.no_grad()
-def ode_samples(model, embeds, mask, noise, times: list[float], height: int, width: int) -> torch.Tensor:
+def ode_samples(model, text: dict, noise, times: list[float]) -> torch.Tensor:
     """Deterministic Euler samples (B, N, C), guidance-free, as the pipeline makes them with guidance 0."""
-    positions = text_positions(embeds, height, width)
-    latents = noise.to(embeds.device, torch.float32)
+    latents = noise.float()
     for t, t_next in zip(times[:-1], times[1:]):
-        latents = sampling.euler_step(latents, velocity(model, latents, t, embeds, mask, positions), t, t_next)
+        latents = sampling.euler_step(latents, velocity(model, latents, t, text), t, t_next)
     return latents
 
 
 def step_log_prob(model, state, following, t: float, t_next: float, t_cap: float, noise_level: float,
-                  embeds, mask, positions) -> tuple[torch.Tensor, torch.Tensor, float]:
+                  text: dict) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(B,) log-density of ``state -> following`` under ``model``, the step's mean (B, N, C) and std."""
-    v = velocity(model, state, t, embeds, mask, positions)
+    v = velocity(model, state, t, text)
     _, mean, std = sampling.sde_step(state, v, t, t_next, noise_level, noise=torch.zeros_like(state), t_cap=t_cap)
     return sampling.gaussian_log_prob(following, mean, std), mean, std
 

@@ -32,7 +32,7 @@ from krea2_diffusers.conditioning import pad_conditioning
 from ..config import ConfigError
 from ..methods import prepare_full_finetune
 from ..trainer import NonFiniteLossError
-from .rollout import initial_noise, text_positions, velocity
+from .rollout import initial_noise, text_inputs, text_positions, velocity
 from .trainer import PosttrainTrainer
 
 # Keeps tau away from 0 in the last segment, where x0 = x_tau and the score difference vanishes.
@@ -158,9 +158,9 @@ class DistillTrainer(PosttrainTrainer):
 
         # The student's own trajectory up to step k, then its clean estimate with gradients.
         with torch.no_grad():
-            positions = text_positions(embeds, self.size, self.size)
+            text = text_inputs(self.model, embeds, mask, self.size, self.size, reuse=False)
             for i in range(k):
-                v = velocity(_Part(self.model, "student"), latents, self.student_times[i], embeds, mask, positions)
+                v = velocity(_Part(self.model, "student"), latents, self.student_times[i], text)
                 latents = sampling.euler_step(latents, v, self.student_times[i], self.student_times[i + 1])
         t_vec = torch.full((len(prompt_ids),), t_k, device=device)
         x0_hat = latents - t_k * self._forward("student", latents, t_vec, embeds, mask)
