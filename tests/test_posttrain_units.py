@@ -215,3 +215,88 @@ def test_a_distilled_export_is_recognised_from_its_own_metadata_whatever_its_nam
     save_safetensors(tiny_pipe.transformer.state_dict(), weights, metadata=meta)
     loaded = Krea2Pipeline.from_pretrained(folder)
     assert loaded.is_distilled and loaded.preset.num_inference_steps == 4
+
+
+# ------------------------------------------------------------------ built-in rewards (models injected: no download)
+class _Batch(dict):
+    def to(self, device):
+        return self
+
+
+def test_builtin_rewards_need_a_configured_model_and_load_nothing_until_called():
+    for name in ("krea2.ocr", "krea2.clip", "krea2.vlm_rubric"):
+        with pytest.raises(ConfigError, match="needs options.model"):
+            load_rewards([RewardConfig(name)])
+    with pytest.raises(ConfigError, match="unknown built-in reward"):
+        load_rewards([RewardConfig("krea2.nope")])
+    rewards = load_rewards([RewardConfig("krea2.clip", options={"model": "somewhere/clip", "mode": "aesthetic"})])
+    assert rewards[0].function.loaded is None
+
+
+def test_clip_reward_scores_with_a_real_clip_model():
+    from PIL import Image
+    from transformers import CLIPConfig, CLIPModel
+
+    from finetune.posttrain.builtin_rewards import CLIPReward
+
+    torch.manual_seed(0)
+    text = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=100,
+                max_position_embeddings=16, bos_token_id=0, eos_token_id=2, pad_token_id=1)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=16)
+    model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)).eval()
+
+    def processor(images=None, text=None, **kwargs):
+        if images is not None:
+            return _Batch(pixel_values=torch.stack([torch.full((3, 32, 32), float(i.getpixel((0, 0))[0]) / 255) for i in images]))
+        return _Batch(input_ids=torch.tensor([[0, 3 + len(t) % 50, 2] for t in text]))
+
+    reward = CLIPReward(model="injected", mode="alignment", device="cpu")
+    reward.loaded = (model, processor)
+    images = [Image.new("RGB", (32, 32), (v, v, v)) for v in (0, 255)]
+    scores = reward(images, ["a", "bb"], [{}, {}])
+    with torch.no_grad():
+        img = torch.nn.functional.normalize(model.get_image_features(**processor(images=images)).pooler_output, dim=-1)
+        txt = torch.nn.functional.normalize(model.get_text_features(**processor(text=["a", "bb"])).pooler_output, dim=-1)
+    torch.testing.assert_close(torch.tensor(scores), (img * txt).sum(-1))
+
+
+def test_vlm_rubric_and_ocr_rewards_score_from_their_models_answers():
+    from PIL import Image
+
+    from finetune.posttrain.builtin_rewards import OCRReward, VLMRubricReward, rubric_items
+
+    assert rubric_items("a red cat, a blue box and a tree", {}, 8) == ["a red cat", "a blue box", "a tree"]
+    vocab = {"yes": 5, "Yes": 6, " yes": 7, " Yes": 8, "no": 9, "No": 10, " no": 11, " No": 12}
+
+    class Tokenizer:
+        def encode(self, word, add_special_tokens=False):
+            return [vocab[word]]
+
+    class Processor:
+        tokenizer = Tokenizer()
+
+        def apply_chat_template(self, messages, add_generation_prompt=True):
+            return messages[0]["content"][1]["text"]
+
+        def __call__(self, text, images, return_tensors):
+            return _Batch(question=text[0])
+
+    class Judge:
+        """Says yes (logit 3 vs 0 on "yes") exactly when the question mentions a cat."""
+
+        def __call__(self, question):
+            logits = torch.zeros(1, 1, 16)
+            logits[0, -1, 5 if "cat" in question else 9] = 3.0
+            return type("Out", (), {"logits": logits})
+
+    reward = VLMRubricReward(model="injected", device="cpu")
+    reward.loaded = (Judge(), Processor())
+    # P(yes) = sigmoid(logsumexp(3, 0, 0, 0) - logsumexp(0, 0, 0, 0)) when the judge says yes
+    p = float(torch.sigmoid(torch.logsumexp(torch.tensor([3.0, 0, 0, 0]), 0) - torch.logsumexp(torch.zeros(4), 0)))
+    image = Image.new("RGB", (8, 8))
+    scores = reward([image, image], ["a cat, a dog", "a dog"], [{}, {"rubric": ["a cat"]}])
+    torch.testing.assert_close(torch.tensor(scores), torch.tensor([(p + (1 - p)) / 2, p]))
+
+    ocr = OCRReward(model="injected", device="cpu")
+    ocr.read = lambda images: ["HELLO", "HELO", "x"]
+    assert ocr([image] * 3, ['a sign saying "hello"', 'a sign saying "hello"', "no text here"], [{}] * 3) == [1.0, 0.8, 1.0]
