@@ -25,7 +25,7 @@ from finetune.posttrain.run import posttrain
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 MAX_STEPS = 8
-KILL_AFTER = 5
+KILL_AFTER = 4
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -34,7 +34,7 @@ def _configs(tmp: Path) -> dict[str, dict]:
     common = {
         "model": {"pretrained_model_name_or_path": "tiny-random"},
         "optimizer": {"learning_rate": 1.0e-3},
-        "checkpointing": {"every_n_steps": 2, "keep_last": 2},
+        "checkpointing": {"every_n_steps": 3, "keep_last": 2},
         "logging": {"progress_bar": False, "tensorboard": False},
     }
     lora = {"training": {"method": "lora", "max_steps": MAX_STEPS, "batch_size": 2, "seed": 3}, "lora": {"rank": 4, "alpha": 4},
@@ -54,17 +54,24 @@ def _configs(tmp: Path) -> dict[str, dict]:
     }
 
 
-def _wait_for_rows(process: subprocess.Popen, out: Path, rows: int, timeout: float = 600) -> None:
+def _kill_each_after(processes: dict, outs: dict, rows: int, timeout: float = 900) -> None:
+    """SIGKILL each process as soon as its metrics.jsonl has ``rows`` rows (all polled together)."""
     deadline = time.time() + timeout
-    while time.time() < deadline:
-        metrics = out / "metrics.jsonl"
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= rows:
-            return
-        if process.poll() is not None:
-            pytest.fail(f"{out.name} ended before step {rows}:\n{process.stdout.read()[-3000:]}")
-        time.sleep(0.01)
-    process.kill()
-    pytest.fail(f"{out.name}: no step {rows} within {timeout}s")
+    running = dict(processes)
+    while running and time.time() < deadline:
+        for method, process in list(running.items()):
+            metrics = outs[method] / "metrics.jsonl"
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= rows:
+                process.send_signal(signal.SIGKILL)
+                process.wait()
+                assert process.returncode == -signal.SIGKILL
+                del running[method]
+            elif process.poll() is not None:
+                pytest.fail(f"{method} ended before step {rows}:\n{process.stdout.read()[-3000:]}")
+        time.sleep(0.005)
+    for process in running.values():
+        process.kill()
+    assert not running, f"no step {rows} within {timeout}s: {sorted(running)}"
 
 
 def test_kill_9_then_resume_continues_each_method_exactly(tmp_path):
@@ -76,21 +83,17 @@ def test_kill_9_then_resume_continues_each_method_exactly(tmp_path):
         path.write_text(yaml.safe_dump(config))
         processes[method] = subprocess.Popen([sys.executable, "-m", "finetune.posttrain", str(path)], cwd=ROOT, env=env,
                                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    killed_rows = {}
-    for method, process in processes.items():
-        out = Path(configs[method]["output_dir"])
-        _wait_for_rows(process, out, KILL_AFTER)
-        process.send_signal(signal.SIGKILL)
-        process.wait()
-        assert process.returncode == -signal.SIGKILL
-        killed_rows[method] = read_metrics(out)
-        assert len(killed_rows[method]) < MAX_STEPS, f"{method} finished before it was killed"
+    outs = {method: Path(config["output_dir"]) for method, config in configs.items()}
+    _kill_each_after(processes, outs, KILL_AFTER)
+    killed_rows = {method: read_metrics(out) for method, out in outs.items()}
+    for method, rows in killed_rows.items():
+        assert len(rows) < MAX_STEPS, f"{method} finished before it was killed"
 
     sys.path.insert(0, str(TESTS))
     for method, config in configs.items():
         out = Path(config["output_dir"])
         last = max(int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("step-*"))
-        assert 2 <= last <= len(killed_rows[method])
+        assert 3 <= last <= len(killed_rows[method])
         result = posttrain(build_config(config, cls=PosttrainConfig), resume=True)
         assert result.final_step == MAX_STEPS and not result.interrupted and result.exported
         rows = read_metrics(out)

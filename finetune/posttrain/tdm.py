@@ -11,7 +11,8 @@ runs the student to ``x_{t_k}`` without gradients, and takes its clean estimate
 
 so every intermediate state of the student's trajectory is pulled toward the teacher's marginal
 at that time, not only the final sample. The fake-score model (initialised from the teacher,
-trained alongside) learns the flow of the student's own samples with plain flow matching. The
+trained alongside) learns the flow of the student's own step-k estimates with plain flow
+matching at times from the same segment, so it models that step's distribution. The
 teacher is RAW with CFG (``teacher_guidance``, Krea convention). No data: prompts only.
 
 This is our reading of TDM (trajectory-level DMD with segment-restricted times); we do not claim
@@ -148,7 +149,10 @@ class DistillTrainer(PosttrainTrainer):
         tau = torch.rand(total, generator=generator, dtype=torch.float64)[mine]
         tau = (t_after + (t_k - t_after) * tau).clamp_min(MIN_TAU).float()
         eps = torch.randn((total, *noise.shape[1:]), generator=generator)[mine]
-        tau_fake = torch.rand(total, generator=generator)[mine].clamp(MIN_TAU, 1 - MIN_TAU)
+        # The fake score learns the student's estimates diffused to the same segment's times, so it
+        # models the distribution of step k's estimates (the trajectory-level part of TDM).
+        tau_fake = torch.rand(total, generator=generator, dtype=torch.float64)[mine]
+        tau_fake = (t_after + (t_k - t_after) * tau_fake).clamp_min(MIN_TAU).float()
         eps_fake = torch.randn((total, *noise.shape[1:]), generator=generator)[mine]
         device = runtime.device
         prompt_ids = global_ids[mine]
