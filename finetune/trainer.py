@@ -94,12 +94,7 @@ class Trainer:
         check_output_dir(self.out, config, self.resume)
         self.samples, self.buckets, _ = prepare_samples(config, self.out, runtime)
         runtime.barrier()
-        if runtime.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            run = {"fingerprint": config_fingerprint(config), "config": config.to_dict(), "world_size": runtime.world_size}
-            if not (self.out / "run.json").exists():
-                (self.out / "run.json").write_text(json.dumps(run, indent=2))
-            ckpt.clean_staging(self.ckpt_dir)
+        self.record_run()
 
         from .model import load_pipeline
 
@@ -129,6 +124,17 @@ class Trainer:
         if runtime.is_main:
             logger.info("training %d parameters on %d samples, %d process(es), strategy %s",
                         trainable_parameter_count(transformer), len(self.samples), runtime.world_size, runtime.strategy)
+
+    def record_run(self) -> None:
+        """Main process: the run folder, ``run.json`` (on the first start) and no stale staging folders."""
+        if not self.runtime.is_main:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        run = {"fingerprint": config_fingerprint(self.config), "config": self.config.to_dict(),
+               "world_size": self.runtime.world_size}
+        if not (self.out / "run.json").exists():
+            (self.out / "run.json").write_text(json.dumps(run, indent=2))
+        ckpt.clean_staging(self.ckpt_dir)
 
     def _restore(self) -> int:
         latest = ckpt.latest_checkpoint(self.ckpt_dir)

@@ -69,3 +69,29 @@ def test_distilled_4_step_student_moves_toward_the_teachers_guided_many_step_sam
         print(f"{prompt!r}: SWD to teacher 24-step CFG: student {distance:.4f}, before distillation {before:.4f}, "
               f"teacher at 4 steps with CFG {teacher_4:.4f}")
         assert distance < 0.97 * before
+
+
+def test_lora_distillation_trains_two_adapters_and_exports_the_students(tmp_path):
+    from krea2_diffusers.lora import read_lora_file
+
+    config = {
+        "output_dir": str(tmp_path / "run"), "method": "distill",
+        "model": {"pretrained_model_name_or_path": "tiny-random"},
+        "training": {"method": "lora", "max_steps": 3, "batch_size": 2, "seed": 0},
+        "lora": {"rank": 4, "alpha": 4}, "optimizer": {"learning_rate": 1.0e-3},
+        "distill": {"prompts": PROMPTS, "student_steps": 4, "resolution": 32},
+        "export": {"formats": ["diffusers"]}, "logging": {"progress_bar": False, "tensorboard": False},
+    }
+    from finetune.posttrain.run import trainer_for
+
+    trainer = trainer_for(build_config(config, cls=PosttrainConfig))
+    result = trainer.train()
+    adapters = {n.split(".lora_")[1].split(".")[1] for n, _ in trainer.model.named_parameters() if ".lora_" in n}
+    assert adapters == {"default", "fake"}
+    moved = {name: any(float(p.abs().max()) > 0 for n, p in trainer.model.named_parameters() if f".lora_B.{name}." in n)
+             for name in adapters}
+    assert moved == {"default": True, "fake": True}, "both the student and the fake score must train"
+    tensors, _ = read_lora_file(result.output_dir / "lora_diffusers.safetensors")
+    assert tensors and not any("fake" in k for k in tensors)
+    pipe = Krea2Pipeline.from_pretrained("tiny-random", is_distilled=True)
+    pipe.load_lora_weights(result.output_dir / "lora_diffusers.safetensors")

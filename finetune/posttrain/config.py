@@ -69,10 +69,16 @@ class PromptPoolConfig:
 
 
 @dataclass
-class GRPOConfig:
+class PromptSource:
+    """Where GRPO and distillation read their prompts (no images: both are data-free)."""
+
     prompts: list[str] = field(default_factory=list)
     prompts_file: str | None = None
     """A text file, one prompt per line (added to ``prompts``)."""
+
+
+@dataclass
+class GRPOConfig(PromptSource):
     group_size: int = 8
     """Samples per prompt; ``training.batch_size`` prompts per step."""
     num_inference_steps: int = 10
@@ -95,9 +101,7 @@ class GRPOConfig:
 
 
 @dataclass
-class DistillConfig:
-    prompts: list[str] = field(default_factory=list)
-    prompts_file: str | None = None
+class DistillConfig(PromptSource):
     student_steps: int = 8
     teacher_steps: int = 28
     """The teacher's own step count (recorded; training is data-free and never samples the teacher)."""

@@ -15,6 +15,10 @@ trained alongside) learns the flow of the student's own step-k estimates with pl
 matching at times from the same segment, so it models that step's distribution. The
 teacher is RAW with CFG (``teacher_guidance``, Krea convention). No data: prompts only.
 
+Full: the student and a fake-score copy are trained, the teacher is a frozen copy. LoRA: the
+student and the fake score are two adapters on the one frozen base, which is the teacher with
+the adapters switched off (no second or third copy of the weights: fits where a LoRA does).
+
 This is our reading of TDM (trajectory-level DMD with segment-restricted times); we do not claim
 it reproduces Krea's Turbo recipe bit for bit.
 """
@@ -29,15 +33,19 @@ from torch import nn
 
 from krea2_diffusers import sampling
 from krea2_diffusers.conditioning import pad_conditioning
+from krea2_diffusers.presets import DISTILLED_METADATA_KEY, STEPS_METADATA_KEY
 
-from ..config import ConfigError
-from ..methods import prepare_full_finetune
+from ..methods import ADAPTER_NAME, add_lora, prepare_full_finetune
+from ..parallel import full_state_dict, unwrap
 from ..trainer import NonFiniteLossError
 from .rollout import initial_noise, text_inputs, text_positions, velocity
 from .trainer import PosttrainTrainer
 
 # Keeps tau away from 0 in the last segment, where x0 = x_tau and the score difference vanishes.
 MIN_TAU = 1e-3
+FAKE_ADAPTER = "fake"
+# LoRA distillation: the two adapters on the one base (the teacher is the base, adapters off).
+ADAPTERS = {"student": ADAPTER_NAME, "fake": FAKE_ADAPTER}
 # DMD's normaliser is floored so a perfect teacher match does not divide by zero.
 NORMALISER_FLOOR = 1e-6
 
@@ -65,13 +73,13 @@ class StudentAndFakeScore(nn.Module):
 
 
 class _Part:
-    """Calls one of the two models through the (possibly wrapped) container, so DDP/FSDP hooks run."""
+    """One of the two trained models ("student" / "fake") called like a transformer."""
 
-    def __init__(self, model: nn.Module, which: str):
-        self.model, self.which = model, which
+    def __init__(self, trainer: "DistillTrainer", which: str):
+        self.trainer, self.which = trainer, which
 
     def __call__(self, **inputs):
-        return self.model(self.which, **inputs)
+        return self.trainer.call_part(self.which, **inputs)
 
 
 def dmd_student_loss(x0_hat: torch.Tensor, x0_fake: torch.Tensor, x0_teacher: torch.Tensor) -> torch.Tensor:
@@ -88,9 +96,7 @@ def dmd_student_loss(x0_hat: torch.Tensor, x0_fake: torch.Tensor, x0_teacher: to
 
 class DistillTrainer(PosttrainTrainer):
     def prepare_inputs(self) -> None:
-        if self.config.training.method != "full":
-            raise ConfigError("method: distill trains the whole student: set training.method: full "
-                              "(a LoRA student with a LoRA fake score is not implemented yet)")
+        self.lora = self.config.training.method == "lora"
         self.prompts = self.config.prompt_list()
         section = self.config.distill
         self.size = section.resolution
@@ -103,15 +109,39 @@ class DistillTrainer(PosttrainTrainer):
         self.text = [(embeds[i:i + 1][:, mask[i]].cpu(), mask[i:i + 1][:, mask[i]].cpu()) for i in range(len(texts))]
 
     def trainable_module(self, transformer: nn.Module) -> nn.Module:
+        """Full: a container of the student and a fake-score copy. LoRA: two adapters on the one
+        base, the student's (``default``) and the fake score's; the teacher is the base itself."""
+        if self.lora:
+            params = add_lora(transformer, self.config.lora, adapter_names=(ADAPTERS["student"], FAKE_ADAPTER))
+            transformer.set_adapter(ADAPTERS["student"])
+            for param in params:
+                param.requires_grad_(True)
+            return transformer
         prepare_full_finetune(transformer)
         return StudentAndFakeScore(transformer, copy.deepcopy(transformer))
 
+    def _fake_parameter_ids(self) -> set[int]:
+        inner = unwrap(self.model)
+        if self.lora:
+            return {id(p) for n, p in inner.named_parameters() if f".{FAKE_ADAPTER}." in n}
+        return {id(p) for p in inner.fake.parameters()}
+
     def param_groups(self) -> list:
         fake_lr = self.config.distill.fake_learning_rate or self.config.optimizer.learning_rate
-        container = self.model.module if hasattr(self.model, "module") else self.model
-        fake = {id(p) for p in container.fake.parameters()}
+        fake = self._fake_parameter_ids()
         return [{"params": [p for p in self.params if id(p) not in fake]},
                 {"params": [p for p in self.params if id(p) in fake], "lr": fake_lr}]
+
+    def call_part(self, which: str, **inputs):
+        """Run the student or the fake score (through the wrapper, so DDP/FSDP hooks run)."""
+        if not self.lora:
+            return self.model(which, **inputs)
+        # PEFT's set_adapter also switches requires_grad to the active adapter; both adapters stay
+        # trainable (the optimizer, checkpoints and exports see a fixed set of parameters).
+        unwrap(self.model).set_adapter(ADAPTERS[which])
+        for param in self.params:
+            param.requires_grad_(True)
+        return self.model(**inputs)
 
     # ---------------------------------------------------------------- conditioning
     def conditioning(self, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,8 +160,8 @@ class DistillTrainer(PosttrainTrainer):
     def _forward(self, which: str, latents, t: torch.Tensor, embeds, mask) -> torch.Tensor:
         positions = text_positions(embeds, self.size, self.size)
         with self.runtime.autocast():
-            return self.model(which, hidden_states=latents, encoder_hidden_states=embeds, timestep=t, position_ids=positions,
-                              encoder_attention_mask=mask, return_dict=False)[0].float()
+            return self.call_part(which, hidden_states=latents, encoder_hidden_states=embeds, timestep=t, position_ids=positions,
+                                  encoder_attention_mask=mask, return_dict=False)[0].float()
 
     # ---------------------------------------------------------------- one step
     def train_step(self, step: int) -> tuple[float, float]:
@@ -164,7 +194,7 @@ class DistillTrainer(PosttrainTrainer):
         with torch.no_grad():
             text = text_inputs(self.model, embeds, mask, self.size, self.size, reuse=False)
             for i in range(k):
-                v = velocity(_Part(self.model, "student"), latents, self.student_times[i], text)
+                v = velocity(_Part(self, "student"), latents, self.student_times[i], text)
                 latents = sampling.euler_step(latents, v, self.student_times[i], self.student_times[i + 1])
         t_vec = torch.full((len(prompt_ids),), t_k, device=device)
         x0_hat = latents - t_k * self._forward("student", latents, t_vec, embeds, mask)
@@ -190,6 +220,10 @@ class DistillTrainer(PosttrainTrainer):
             raise NonFiniteLossError(f"distillation loss is {value} at step {step + 1} on prompts "
                                      f"{[self.prompts[i] for i in global_ids]}; the last checkpoint is kept in {self.ckpt_dir}")
         loss.backward()
+        if self.lora:
+            unwrap(self.model).set_adapter(ADAPTERS["student"])  # what validation and exports see
+            for param in self.params:
+                param.requires_grad_(True)
         grad_norm = self.optimizer_step()
         self.lr_scheduler.step()
         self.extra_metrics = {"student_loss": float(runtime.mean(student_loss)), "fake_loss": float(runtime.mean(fake_loss)),
@@ -197,13 +231,27 @@ class DistillTrainer(PosttrainTrainer):
         return value, grad_norm
 
     # ---------------------------------------------------------------- export
-    def export(self, step: int):
-        from ..export import export_full
-        from ..parallel import full_state_dict, unwrap
+    def student_state(self) -> dict[str, torch.Tensor]:
+        """The student's weights (full) or adapter (LoRA), named as a plain transformer's."""
+        state = full_state_dict(self.model, self.runtime, trainable_only=self.lora)
+        if self.lora:
+            return {k: v for k, v in state.items() if f".{ADAPTERS['student']}." in k}
+        return {k[len("student."):]: v for k, v in state.items() if k.startswith("student.")}
 
-        state = full_state_dict(self.model, self.runtime, trainable_only=False)
+    def lora_layers(self):
+        from krea2_diffusers.lora import lora_layers_from_diffusers_state_dict
+
+        return lora_layers_from_diffusers_state_dict(self.student_state(), self.config.lora.alpha, self.config.lora.rank)
+
+    def export(self, step: int):
+        """Full: ``transformer/`` and ``krea2_original.safetensors`` marked distilled in their metadata.
+        LoRA: the student adapter's files (apply them to the teacher; pass ``is_distilled=True``)."""
+        from ..export import export_full, export_lora
+
+        state = self.student_state()
         if not self.runtime.is_main:
             return []
-        student = {k[len("student."):]: v for k, v in state.items() if k.startswith("student.")}
-        metadata = {"krea2.is_distilled": "true", "krea2.num_inference_steps": str(self.config.distill.student_steps)}
-        return export_full(student, dict(unwrap(self.model).student.config), self.config, self.out, step, metadata)
+        if self.lora:
+            return export_lora(state, self.config, self.out, step)
+        metadata = {DISTILLED_METADATA_KEY: "true", STEPS_METADATA_KEY: str(self.config.distill.student_steps)}
+        return export_full(state, dict(unwrap(self.model).student.config), self.config, self.out, step, metadata)

@@ -8,16 +8,14 @@ optimizer step.
 
 from __future__ import annotations
 
-import json
 import logging
 
 import torch
 
-from .. import checkpoint as ckpt
 from ..methods import add_lora, prepare_full_finetune, trainable_parameter_count
 from ..optim import make_lr_scheduler, make_optimizer
 from ..parallel import wrap_model
-from ..rundir import check_output_dir, config_fingerprint
+from ..rundir import check_output_dir
 from ..trainer import Trainer, _step_generator
 from .config import PosttrainConfig
 from .reference import Reference
@@ -52,12 +50,7 @@ class PosttrainTrainer(Trainer):
         check_output_dir(self.out, config, self.resume)
         self.prepare_inputs()
         runtime.barrier()
-        if runtime.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            run = {"fingerprint": config_fingerprint(config), "config": config.to_dict(), "world_size": runtime.world_size}
-            if not (self.out / "run.json").exists():
-                (self.out / "run.json").write_text(json.dumps(run, indent=2))
-            ckpt.clean_staging(self.ckpt_dir)
+        self.record_run()
 
         from ..model import load_pipeline
 
