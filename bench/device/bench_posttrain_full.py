@@ -3,18 +3,21 @@
     python bench/device/bench_posttrain_full.py                 # both, 12.8B, random weights
     python bench/device/bench_posttrain_full.py --tiny          # CPU dry run of the same code
     python bench/device/bench_posttrain_full.py --only grpo --group-size 8 --resolution 1024
+    python bench/device/bench_posttrain_full.py --only tdm --tdm full       # needs > 141 GB at 12.8B
 
 GRPO (LoRA rank --rank on a bf16 base): --prompts x --group-size guidance-free rollouts of --steps
 steps (the SDE on --sde-steps of them), then one clipped-ratio update with the KL to the
 reference (the adapter switched off) on every exploring step. Rewards are random numbers (a
 reward model's cost is its own); VAE decoding is not included.
 
-TDM (full student + full fake score + frozen teacher, all bf16 here; --optimizer adamw8bit needs
-bitsandbytes, ``none`` measures the step without optimizer state): the student runs to a random
-step k of --student-steps without gradients, one student pass with gradients, the teacher with
-CFG (both branches batched), the fake score without and with gradients, one backward. fp32
-masters with AdamW need 16 bytes per parameter for each trained model (410 GB for the pair): a
-real distillation shards them over several GPUs (FSDP2); this bench measures what one step costs.
+TDM, ``--tdm lora`` (default, what fits one GPU): the student and the fake score are two LoRA
+adapters on one bf16 base, which is the teacher with the adapters off. ``--tdm full``: full
+student + full fake score + frozen teacher, all bf16 (fp32 masters with AdamW need 16 bytes per
+parameter per trained model, 410 GB for the pair: a real full distillation shards them over
+several GPUs with FSDP2; --optimizer adamw8bit needs bitsandbytes, ``none`` steps without
+optimizer state). One step: the student runs to its last step without gradients, one student
+pass with gradients, the teacher with CFG (both branches batched), the fake score without and
+with gradients, one backward and the optimizer step.
 
 Random weights and inputs: speed and memory are those of real ones, no download. Prints one JSON
 row per method: seconds (mean after a warm-up) and peak allocated GPU memory.
@@ -86,7 +89,7 @@ def tdm_step(student, fake, teacher, optimizer, args, device, dtype) -> None:
     generator = torch.Generator().manual_seed(0)
     latents = initial_noise(b, 64, args.resolution, args.resolution, generator).to(device)
     k = args.student_steps - 1  # the longest trajectory: the most expensive step
-    raw = lambda e, m: text_inputs(student, e, m, args.resolution, args.resolution, reuse=False)
+    raw = lambda e, m: text_inputs(torch.nn.Identity(), e, m, args.resolution, args.resolution, reuse=False)
     cond, both = raw(embeds, mask), raw(torch.cat([embeds, uncond]), torch.cat([mask, uncond_mask]))
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         with torch.no_grad():
@@ -106,6 +109,18 @@ def tdm_step(student, fake, teacher, optimizer, args, device, dtype) -> None:
     if optimizer is not None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+
+def _adapter(model, name: str, params):
+    """Call ``model`` with only adapter ``name`` active (both adapters stay trainable)."""
+
+    def call(**inputs):
+        model.set_adapter(name)
+        for param in params:
+            param.requires_grad_(True)
+        return model(**inputs)
+
+    return call
 
 
 def measure(name: str, step, args, device) -> dict:
@@ -132,7 +147,8 @@ def main() -> int:
     parser.add_argument("--sde-steps", type=int, default=4)
     parser.add_argument("--student-steps", type=int, default=8)
     parser.add_argument("--rank", type=int, default=32)
-    parser.add_argument("--optimizer", choices=["adamw8bit", "none"], default="none")
+    parser.add_argument("--tdm", choices=["lora", "full"], default="lora")
+    parser.add_argument("--optimizer", choices=["adamw8bit", "none"], default="none", help="--tdm full only")
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
@@ -153,16 +169,27 @@ def main() -> int:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
     if args.only in (None, "tdm"):
-        teacher = build_model(args.config, device, dtype).requires_grad_(False).eval()
-        student, fake = copy.deepcopy(teacher).requires_grad_(True), copy.deepcopy(teacher).requires_grad_(True)
-        for model in (student, fake):
-            model.enable_gradient_checkpointing()
-            model.train()
-        optimizer = None
-        if args.optimizer != "none":
-            optimizer = make_optimizer([*student.parameters(), *fake.parameters()],
-                                       OptimizerConfig(name=args.optimizer, learning_rate=1e-6))
-        rows.append(measure("tdm", lambda: tdm_step(student, fake, teacher, optimizer, args, device, dtype), args, device))
+        base = build_model(args.config, device, dtype)
+        if args.tdm == "lora":
+            params = add_lora(base, LoRAConfig(rank=args.rank, alpha=float(args.rank)), adapter_names=("default", "fake"))
+            base.enable_gradient_checkpointing()
+            base.train()
+            reference = Reference(base, lora=True)
+            student, fake = _adapter(base, "default", params), _adapter(base, "fake", params)
+            teacher = lambda **inputs: (reference(base, **{k: v for k, v in inputs.items() if k != "return_dict"}),)
+            optimizer = make_optimizer(params, OptimizerConfig(learning_rate=1e-5))
+        else:
+            teacher = base.requires_grad_(False).eval()
+            student, fake = copy.deepcopy(teacher).requires_grad_(True), copy.deepcopy(teacher).requires_grad_(True)
+            for model in (student, fake):
+                model.enable_gradient_checkpointing()
+                model.train()
+            optimizer = None
+            if args.optimizer != "none":
+                optimizer = make_optimizer([*student.parameters(), *fake.parameters()],
+                                           OptimizerConfig(name=args.optimizer, learning_rate=1e-6))
+        rows.append(measure(f"tdm-{args.tdm}", lambda: tdm_step(student, fake, teacher, optimizer, args, device, dtype),
+                            args, device))
     for row in rows:
         print(json.dumps({**row, "resolution": args.resolution, "tiny": args.tiny}))
     return 0
