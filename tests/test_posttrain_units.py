@@ -300,3 +300,19 @@ def test_vlm_rubric_and_ocr_rewards_score_from_their_models_answers():
     ocr = OCRReward(model="injected", device="cpu")
     ocr.read = lambda images: ["HELLO", "HELO", "x"]
     assert ocr([image] * 3, ['a sign saying "hello"', 'a sign saying "hello"', "no text here"], [{}] * 3) == [1.0, 0.8, 1.0]
+
+
+def test_the_examples_parse_and_krea2_posttrain_is_a_command(tmp_path, capsys):
+    from finetune.posttrain.config import load_posttrain_config
+    from krea2_diffusers.cli import build_parser, main
+
+    root = Path(__file__).resolve().parents[1] / "examples"
+    methods = {}
+    for path in sorted(root.glob("posttrain_*.yaml")):
+        methods[path.name] = load_posttrain_config(path).method
+    assert sorted(methods.values()) == ["distill", "distill", "dpo", "dpo", "grpo", "grpo"]
+    assert build_parser().parse_args(["posttrain", "c.yaml", "--resume", "training.max_steps=5"]).resume
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("method: dpo\ndpo: {data: p.jsonl, betta: 1.0}\n")
+    assert main(["posttrain", str(bad)]) == 2
+    assert "did you mean 'dpo.beta'" in capsys.readouterr().err

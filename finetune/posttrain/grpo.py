@@ -24,7 +24,8 @@ import torch.distributed as dist
 from krea2_diffusers.conditioning import pad_conditioning
 
 from .prompt_pool import PoolLog, PromptPool
-from .rewards import RewardError, group_advantages, load_rewards, score
+from ..trainer import NonFiniteLossError
+from .rewards import group_advantages, load_rewards, score
 from .rollout import decode_to_pil, initial_noise, ode_samples, schedule, sde_rollout, step_log_prob, text_fusion_frozen, text_inputs
 from .trainer import PosttrainTrainer
 
@@ -136,9 +137,9 @@ class GRPOTrainer(PosttrainTrainer):
                 policy, clipped = clipped_policy_loss(log_probs, rollout.log_probs[k], advantages, section.clip_range)
                 kl = gaussian_step_kl(mean, ref_mean, std)
                 loss = (policy + section.kl_weight * kl).mean() / len(rollout.times)
-                if not math.isfinite(float(loss)):
-                    raise RewardError(f"GRPO loss is {float(loss)} at step {step + 1} on prompts {sorted(set(prompts))}; "
-                                      f"the last checkpoint is kept in {self.ckpt_dir}")
+                if not math.isfinite(float(loss.detach())):
+                    raise NonFiniteLossError(f"GRPO loss is {float(loss.detach())} at step {step + 1} on prompts "
+                                             f"{sorted(set(prompts))}; the last checkpoint is kept in {self.ckpt_dir}")
                 loss.backward()
                 scale = len(rollout.times) * section.updates_per_rollout
                 stats["policy_loss"] += float(policy.mean()) / scale
