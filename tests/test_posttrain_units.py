@@ -34,7 +34,7 @@ def _gaussian_flow(x: torch.Tensor, t: float, data_var: float) -> torch.Tensor:
 
 
 def test_sde_step_keeps_the_ode_marginals_on_an_analytic_flow():
-    data_var, steps, n = 0.25, 200, 200_000
+    data_var, steps, n = 0.25, 100, 50_000
     times = torch.linspace(1, 0, steps + 1, dtype=torch.float64).tolist()
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(n, 1, 1, generator=generator, dtype=torch.float64)
@@ -45,7 +45,7 @@ def test_sde_step_keeps_the_ode_marginals_on_an_analytic_flow():
         assert std > 0
         if abs(t_next - 0.5) < 1e-9:
             expected = 0.25 * data_var + 0.25
-            assert abs(float(x.var()) / expected - 1) < 0.02
+            assert abs(float(x.var()) / expected - 1) < 0.03
     assert abs(float(x.var()) / data_var - 1) < 0.03, "the SDE must end at the data distribution"
 
 
