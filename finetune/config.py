@@ -31,6 +31,13 @@ class ModelConfig:
     """Optional Turbo checkpoint; validation then also samples it with the LoRA applied."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Storage dtype of the frozen weights (LoRA weights and full fine-tune masters stay float32)."""
+    text_encoder: str | None = None
+    """For a transformer file: the Qwen3-VL text encoder (hub id, folder or ``tiny-random``); default Qwen/Qwen3-VL-4B-Instruct."""
+    vae: str | None = None
+    """For a transformer file: the Qwen-Image VAE (hub id, folder or ``tiny-random``); default Qwen/Qwen-Image."""
+    quantize: Literal["none", "fp8", "int8", "nf4"] = "none"
+    """LoRA only: storage of the frozen base's block matrices (fp8 per-row scaled; int8/nf4 via
+    bitsandbytes). Embedders, input/output projections and the text-fusion projector stay in ``dtype``."""
     max_sequence_length: int = 512
 
 
@@ -60,6 +67,9 @@ class DataConfig:
     cache_dir: str | None = None
     """Latent / text cache; defaults to ``<output_dir>/cache``. Reused across runs by content hash."""
     shuffle: bool = True
+    num_workers: int = 2
+    """DataLoader worker processes reading the cache ahead of training (0: in the training process)."""
+    prefetch_factor: int = 2
 
 
 @dataclass
@@ -119,8 +129,12 @@ class TrainingConfig:
     gradient_accumulation_steps: int = 1
     seed: int = 0
     mixed_precision: Literal["no", "bf16"] = "no"
-    gradient_checkpointing: bool = False
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    """Per transformer block: ``full`` keeps only block inputs, ``selective`` also matmul/attention outputs."""
     compile: bool = False
+    """``torch.compile`` each transformer block."""
+    offload_blocks: int = 0
+    """LoRA only: keep this many transformer blocks' frozen weights on the CPU and stream them in."""
 
 
 @dataclass
@@ -133,6 +147,8 @@ class ParallelConfig:
 class CheckpointConfig:
     every_n_steps: int = 250
     keep_last: int = 3
+    async_save: bool = False
+    """Write checkpoints in the background (DCP async_save) while training continues."""
 
 
 @dataclass
@@ -215,6 +231,16 @@ class TrainConfig:
             raise ConfigError("data.min_aspect_ratio <= 1 <= data.max_aspect_ratio must hold")
         if self.requires_data and self.data.path is None and self.data.synthetic is None:
             raise ConfigError("data.path is required (or data.synthetic for a self-made dataset)")
+        if self.training.method == "full" and self.model.quantize != "none":
+            raise ConfigError(f"model.quantize={self.model.quantize!r} needs training.method=lora (a full fine-tune trains every weight)")
+        if self.training.offload_blocks < 0:
+            raise ConfigError(f"training.offload_blocks must be >= 0, got {self.training.offload_blocks}")
+        if self.training.method == "full" and self.training.offload_blocks:
+            raise ConfigError("training.offload_blocks is for LoRA; a full fine-tune shards the model over processes instead")
+        if self.training.offload_blocks and self.training.compile:
+            raise ConfigError("training.offload_blocks and training.compile cannot be combined (the swap hooks run outside compiled code)")
+        if self.data.num_workers < 0 or self.data.prefetch_factor <= 0:
+            raise ConfigError("data.num_workers must be >= 0 and data.prefetch_factor > 0")
         if len(self.optimizer.betas) != 2:
             raise ConfigError(f"optimizer.betas needs two values, got {self.optimizer.betas}")
         if self.training.method == "full" and any(f in ("comfyui", "kohya") for f in self.export.formats):

@@ -1,19 +1,25 @@
-"""Writing the result: LoRA files in the three formats other tools load, or full weights in the
-diffusers and original layouts."""
+"""Writing the result from a DCP checkpoint: LoRA files in the three formats other tools load, or
+full weights in the diffusers and original layouts.
+
+Full weights are streamed: tensors are read from the checkpoint's shard files a group at a time
+(at most :data:`GROUP_BYTES`) and appended to the output file, so one process never holds the
+whole model. ``krea2 export CHECKPOINT_DIR OUT`` runs the same code on its own.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 from pathlib import Path
+from typing import Iterator
 
 import torch
-from safetensors.torch import save_file
 
-from krea2_diffusers.convert import convert_diffusers_to_original
+from krea2_diffusers.convert import diffusers_module_to_original
+from krea2_diffusers.files import atomic_write, write_safetensors_streaming
 from krea2_diffusers.lora import lora_layers_from_diffusers_state_dict, lora_metadata, save_lora_file
 
-from .config import TrainConfig
+from .engine.checkpoint import read_train_state
 
 logger = logging.getLogger("finetune")
 
@@ -22,47 +28,115 @@ LORA_FILE_NAMES = {
     "comfyui": "lora_comfyui.safetensors",
     "kohya": "lora_kohya.safetensors",
 }
+FULL_FORMATS = ("diffusers", "original")
+ORIGINAL_FILE_NAME = "krea2_original.safetensors"
+MODEL_PREFIX = "model."
+# Tensors read from the checkpoint per group while streaming a full model out.
+GROUP_BYTES = 1 << 30
 
 
-def export_lora(trainable_state: dict[str, torch.Tensor], config: TrainConfig, out_dir: Path, steps: int) -> list[Path]:
-    """``trainable_state``: the adapter's parameters by PEFT name
-    (``transformer_blocks.0.attn.to_q.lora_A.default.weight`` ...)."""
-    layers = lora_layers_from_diffusers_state_dict(trainable_state, alpha=config.lora.alpha, rank=config.lora.rank)
-    base = config.export.base_model or config.model.pretrained_model_name_or_path
+def model_tensors(path: Path, prefix: str = "") -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Model tensors of a DCP checkpoint (by parameter name) with their dtype and global shape;
+    ``prefix``: only the names under it (e.g. a distillation's ``student.``), without it."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(path)).read_metadata()
+    out = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        if key.startswith(MODEL_PREFIX + prefix) and isinstance(entry, TensorStorageMetadata):
+            out[key[len(MODEL_PREFIX + prefix):]] = (entry.properties.dtype, tuple(entry.size))
+    return out
+
+
+def read_model_tensors(path: Path, names: list[str], shapes: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Read whole tensors ``names`` (under ``prefix``) from a DCP checkpoint in this process alone
+    (any writer world size)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {prefix + n: torch.empty(shapes[n][1], dtype=shapes[n][0]) for n in names}}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return {n[len(prefix):]: v for n, v in state["model"].items()}
+
+
+def _groups(path: Path, names: list[str], shapes: dict, dtype: torch.dtype | None,
+            prefix: str = "") -> Iterator[dict[str, torch.Tensor]]:
+    group, size = [], 0
+    for name in names:
+        group.append(name)
+        size += shapes[name][0].itemsize * int(torch.Size(shapes[name][1]).numel())
+        if size >= GROUP_BYTES or name == names[-1]:
+            tensors = read_model_tensors(path, group, shapes, prefix)
+            yield {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in tensors.items()}
+            group, size = [], 0
+
+
+def export_lora(path: Path, out_dir: Path, state: dict, formats: list[str], trigger_words: list[str]) -> list[Path]:
+    """LoRA files from a LoRA run's checkpoint (its model part holds only the adapters)."""
+    shapes = model_tensors(path)
+    excluded = [f".{name}." for name in state.get("export", {}).get("exclude_adapters", [])]
+    trainable = read_model_tensors(path, sorted(n for n in shapes if not any(e in n for e in excluded)), shapes)
+    lora = state["lora"]
+    layers = lora_layers_from_diffusers_state_dict(trainable, alpha=lora["alpha"], rank=lora["rank"])
     written = []
-    for fmt in config.export.formats:
+    for fmt in formats:
         if fmt not in LORA_FILE_NAMES:
             continue
-        if fmt != "diffusers" and config.lora.use_dora:
+        if fmt != "diffusers" and lora.get("use_dora"):
             # DoRA magnitudes have no agreed spelling in these formats; better no file than a wrong one.
             logger.warning("export: DoRA LoRAs are written in the diffusers format only; skipping %s", fmt)
             continue
-        meta = lora_metadata(layers, fmt, base, trained_alpha=config.lora.alpha,
-                             trigger_words=config.export.trigger_words, steps=steps)
+        meta = lora_metadata(layers, fmt, state["base_model"], trained_alpha=lora["alpha"],
+                             trigger_words=trigger_words, steps=state["step"])
         written.append(save_lora_file(out_dir / LORA_FILE_NAMES[fmt], layers, fmt, meta))
     return written
 
 
-def export_full(state: dict[str, torch.Tensor], transformer_config: dict, config: TrainConfig, out_dir: Path, steps: int,
-                metadata: dict[str, str] | None = None) -> list[Path]:
-    """Full fine-tune: ``transformer/`` (diffusers folder) and/or ``krea2_original.safetensors``;
-    ``metadata`` is added to both files' headers (e.g. ``krea2.is_distilled``)."""
-    meta = {"format": "pt", "krea2.base_model": config.export.base_model or config.model.pretrained_model_name_or_path,
-            "krea2.steps": str(steps), **(metadata or {})}
-    state = {k: v.contiguous() for k, v in state.items()}
+def export_full(path: Path, out_dir: Path, state: dict, formats: list[str], dtype: torch.dtype | None = None) -> list[Path]:
+    """``transformer/`` (diffusers folder) and/or ``krea2_original.safetensors``, streamed."""
+    hints = state.get("export", {})
+    prefix = hints.get("model_prefix", "")
+    shapes = model_tensors(path, prefix)
+    names = sorted(shapes)
+    meta = {"format": "pt", "krea2.base_model": state["base_model"], "krea2.steps": str(state["step"]),
+            **hints.get("metadata", {})}
+
+    def entries(rename=lambda n: n, reshape=lambda n, s: s):
+        return [(rename(n), dtype if dtype is not None and shapes[n][0].is_floating_point else shapes[n][0],
+                 reshape(n, shapes[n][1])) for n in names]
+
     written = []
-    if "diffusers" in config.export.formats:
+    if "diffusers" in formats:
         folder = out_dir / "transformer"
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file(state, str(folder / "diffusion_pytorch_model.safetensors"), metadata=meta)
-        config_dict = {k: (list(v) if isinstance(v, tuple) else v) for k, v in transformer_config.items()
-                       if not k.startswith("_")}
-        config_dict["_class_name"] = "Krea2Transformer2DModel"
-        (folder / "config.json").write_text(json.dumps(config_dict, indent=2))
+        write_safetensors_streaming(folder / "diffusion_pytorch_model.safetensors", entries(),
+                                    _groups(path, names, shapes, dtype, prefix), metadata=meta)
+        config = {**state["transformer_config"], "_class_name": "Krea2Transformer2DModel"}
+        with atomic_write(folder / "config.json", "w") as handle:
+            handle.write(json.dumps(config, indent=2))
         written.append(folder)
-    if "original" in config.export.formats:
-        path = out_dir / "krea2_original.safetensors"
-        original = {k: v.contiguous() for k, v in convert_diffusers_to_original(state).items()}
-        save_file(original, str(path), metadata=meta)
-        written.append(path)
+    if "original" in formats:
+        def flat(name, shape):  # the block modulation table is (6, D) in diffusers, (6D,) in the original file
+            modulation = name.startswith("transformer_blocks.") and name.endswith(".scale_shift_table") and len(shape) == 2
+            return (shape[0] * shape[1],) if modulation else shape
+
+        chunks = ({diffusers_module_to_original(k): v.reshape(flat(k, tuple(v.shape))) for k, v in chunk.items()}
+                  for chunk in _groups(path, names, shapes, dtype, prefix))
+        target = out_dir / ORIGINAL_FILE_NAME
+        write_safetensors_streaming(target, entries(diffusers_module_to_original, flat), chunks, metadata=meta)
+        written.append(target)
     return written
+
+
+def export_checkpoint(path: Path, out_dir: Path, formats: list[str] | None = None, trigger_words: list[str] = (),
+                      dtype: torch.dtype | None = None) -> list[Path]:
+    """Everything a run exports, from checkpoint folder ``path`` into ``out_dir``.
+
+    ``formats``: LoRA runs ``diffusers``/``comfyui``/``kohya``; full fine-tunes ``diffusers``/``original``
+    (default: all of the kind). ``dtype``: cast full weights (e.g. bf16), None keeps the stored float32.
+    """
+    path, out_dir = Path(path), Path(out_dir)
+    state = read_train_state(path)
+    if state["method"] == "lora":
+        return export_lora(path, out_dir, state, list(formats or LORA_FILE_NAMES), list(trigger_words))
+    wanted = [f for f in (formats or FULL_FORMATS) if f in FULL_FORMATS] or list(FULL_FORMATS)
+    return export_full(path, out_dir, state, wanted, dtype)

@@ -1,10 +1,12 @@
-"""What gets trained: PEFT LoRA adapters on the blocks' projections, or every weight."""
+"""What gets trained: PEFT LoRA adapters on the blocks' projections (over a frozen base that may be
+stored quantized), or every weight."""
 
 from __future__ import annotations
 
 import difflib
 import re
 
+import torch
 from torch import nn
 
 from .config import LoRAConfig
@@ -56,6 +58,23 @@ def add_lora(transformer: nn.Module, config: LoRAConfig, adapter_names: tuple[st
         param.data = param.data.float()
         param.requires_grad_(True)
     return params
+
+
+def quantize_base(transformer: nn.Module, mode: str, compute_dtype: torch.dtype) -> int:
+    """Store the frozen base's block matrices as ``fp8`` (per-row scale), ``int8`` or ``nf4``
+    (bitsandbytes; an error, never a silent fallback, where it cannot run). The precision-sensitive
+    layers (``krea2_diffusers.bnb.TRANSFORMER_KEEP``) stay in full precision. Returns layers replaced."""
+    if mode == "none":
+        return 0
+    if any(type(m).__name__ == "PackedLinear" for m in transformer.modules()):
+        raise ValueError(f"model.quantize={mode!r}: the base is a GGUF file, already quantized (it stays packed); use quantize: none")
+    if mode == "fp8":
+        from krea2_diffusers.fp8 import quantize_transformer_fp8_
+
+        return quantize_transformer_fp8_(transformer, compute_dtype)
+    from krea2_diffusers.bnb import quantize_transformer_
+
+    return quantize_transformer_(transformer, mode, compute_dtype)
 
 
 def prepare_full_finetune(transformer: nn.Module) -> list[nn.Parameter]:

@@ -1,40 +1,95 @@
-"""Loading the pipeline to train on (RAW) and, for validation, the Turbo transformer."""
+"""What the trainer trains: the pipeline (through the library's one loader,
+:func:`krea2_diffusers.assembly.load_pipeline`), the transformer built sharded from the meta
+device for a full fine-tune, and the Turbo transformer for validation."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
+from torch import nn
 
 from krea2_diffusers import Krea2Pipeline, Krea2Transformer2DModel
+from krea2_diffusers.assembly import LOAD
+from krea2_diffusers.assembly import load_pipeline as assemble_pipeline
+from krea2_diffusers.tiny import is_tiny
+
+from .config import ModelConfig, TrainConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_pipeline(name_or_path: str, dtype: str, device: torch.device) -> Krea2Pipeline:
-    """``tiny-random``, a diffusers-format folder / hub id, or a single original-layout file."""
-    torch_dtype = DTYPES[dtype]
-    if Path(name_or_path).suffix in (".safetensors", ".gguf"):
-        pipe = Krea2Pipeline.from_single_file(name_or_path, torch_dtype=torch_dtype)
-    else:
-        pipe = Krea2Pipeline.from_pretrained(name_or_path, torch_dtype=torch_dtype)
+def load_pipeline(config: ModelConfig, device: torch.device, transformer=LOAD) -> Krea2Pipeline:
+    """The RAW pipeline; text encoder and VAE on ``device`` (for caching), the transformer (if
+    loaded) stays on the CPU until it is quantized / wrapped. ``transformer=None`` leaves it out."""
+    pipe = assemble_pipeline(Krea2Pipeline, config.pretrained_model_name_or_path, text_encoder=config.text_encoder,
+                             vae=config.vae, torch_dtype=DTYPES[config.dtype], transformer=transformer)
     pipe.set_progress_bar_config(disable=True)
-    return pipe.to(device)
+    pipe.text_encoder.to(device)
+    pipe.vae.to(device)
+    return pipe
+
+
+def release_encoders(pipe: Krea2Pipeline, device: torch.device) -> None:
+    """After caching, the text encoder and VAE leave the accelerator (validation brings them back)."""
+    if device.type == "cuda":
+        pipe.text_encoder.to("cpu")
+        pipe.vae.to("cpu")
+        torch.cuda.empty_cache()
+
+
+def transformer_weights(config: ModelConfig):
+    """(transformer config kwargs, weight source) without reading any weight."""
+    from krea2_diffusers.loading import locate_transformer_tensors
+
+    from .engine.weights import FileWeights, MemoryWeights
+
+    name = config.pretrained_model_name_or_path
+    if is_tiny(name):
+        from krea2_diffusers.tiny import tiny_components
+
+        transformer = tiny_components()["transformer"]
+        return _plain_config(transformer), MemoryWeights(transformer.state_dict())
+    transformer_config, locations = locate_transformer_tensors(name)
+    return transformer_config, FileWeights(locations)
+
+
+def _plain_config(transformer: nn.Module) -> dict:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dict(transformer.config).items() if not k.startswith("_")}
+
+
+def build_sharded_transformer(config: TrainConfig, runtime) -> Krea2Transformer2DModel:
+    """A full fine-tune's transformer, never whole on one rank.
+
+    meta-device build -> activation checkpointing -> per-block compile -> ``fully_shard`` per block
+    then root (with more than one process) -> ``to_empty`` -> each rank reads its own rows of every
+    tensor from the file. float32 master weights.
+    """
+    from .engine.parallel import fully_shard_blocks, prepare_blocks
+    from .engine.weights import load_local_shards_
+
+    transformer_config, source = transformer_weights(config.model)
+    with torch.device("meta"):
+        model = Krea2Transformer2DModel(**transformer_config).float()
+    model.requires_grad_(True)
+    blocks = list(model.transformer_blocks)
+    prepare_blocks(blocks, config.training.activation_checkpointing, config.training.compile)
+    if runtime.strategy == "fsdp":
+        fully_shard_blocks(model, blocks, config.training.mixed_precision)
+    model.to_empty(device=runtime.device)
+    try:
+        load_local_shards_(model, source, where=config.model.pretrained_model_name_or_path)
+    finally:
+        source.close()
+    return model.train()
 
 
 def load_turbo_pipeline(name_or_path: str, raw: Krea2Pipeline, dtype: str) -> Krea2Pipeline:
     """A Turbo pipeline sharing the RAW pipeline's text encoder and VAE (only the transformer differs)."""
-    torch_dtype = DTYPES[dtype]
-    if Path(name_or_path).suffix in (".safetensors", ".gguf"):
-        transformer = Krea2Transformer2DModel.from_single_file(name_or_path, torch_dtype=torch_dtype)
-    elif name_or_path == "tiny-random":
-        transformer = Krea2Pipeline.from_pretrained(name_or_path, torch_dtype=torch_dtype).transformer
-    else:
-        transformer = Krea2Transformer2DModel.from_pretrained(name_or_path, subfolder="transformer", torch_dtype=torch_dtype)
+    loaded = assemble_pipeline(Krea2Pipeline, name_or_path, text_encoder=raw.text_encoder, vae=raw.vae,
+                               torch_dtype=DTYPES[dtype], is_distilled=True)
     device = next(raw.vae.parameters()).device
     turbo = Krea2Pipeline(
         scheduler=raw.scheduler, vae=raw.vae, text_encoder=raw.text_encoder, tokenizer=raw.tokenizer,
-        transformer=transformer.to(device), text_encoder_select_layers=raw.config.text_encoder_select_layers,
+        transformer=loaded.transformer.to(device), text_encoder_select_layers=raw.config.text_encoder_select_layers,
         is_distilled=True,
     )
     turbo.set_progress_bar_config(disable=True)

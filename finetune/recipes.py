@@ -11,7 +11,7 @@ from typing import Any
 RECIPES: dict[str, dict[str, Any]] = {
     # 10-30 images of one look; train on RAW, run on Turbo.
     "lora-style": {
-        "training": {"method": "lora", "max_steps": 1000, "batch_size": 1, "gradient_checkpointing": True,
+        "training": {"method": "lora", "max_steps": 1000, "batch_size": 1, "activation_checkpointing": "full",
                      "mixed_precision": "bf16"},
         "lora": {"rank": 32, "alpha": 32.0},
         "optimizer": {"name": "adamw8bit", "learning_rate": 1e-4},
@@ -21,7 +21,7 @@ RECIPES: dict[str, dict[str, Any]] = {
     },
     # A brand's product or character (30-100 images): more steps, decay at the end.
     "lora-brand": {
-        "training": {"method": "lora", "max_steps": 2000, "batch_size": 1, "gradient_checkpointing": True,
+        "training": {"method": "lora", "max_steps": 2000, "batch_size": 1, "activation_checkpointing": "full",
                      "mixed_precision": "bf16"},
         "lora": {"rank": 32, "alpha": 32.0},
         "optimizer": {"name": "adamw8bit", "learning_rate": 1e-4},
@@ -31,7 +31,7 @@ RECIPES: dict[str, dict[str, Any]] = {
     },
     # Quick look at whether a dataset works at all: small rank, high lr, 512 px.
     "lora-quick": {
-        "training": {"method": "lora", "max_steps": 400, "gradient_checkpointing": True, "mixed_precision": "bf16"},
+        "training": {"method": "lora", "max_steps": 400, "activation_checkpointing": "full", "mixed_precision": "bf16"},
         "lora": {"rank": 16, "alpha": 16.0},
         "optimizer": {"learning_rate": 3e-4},
         "data": {"resolution": 512},
@@ -39,7 +39,7 @@ RECIPES: dict[str, dict[str, Any]] = {
     },
     # Full fine-tune across GPUs: FSDP2, checkpointing, cosine decay, low lr.
     "full-finetune": {
-        "training": {"method": "full", "max_steps": 5000, "gradient_checkpointing": True, "mixed_precision": "bf16"},
+        "training": {"method": "full", "max_steps": 5000, "activation_checkpointing": "full", "mixed_precision": "bf16"},
         "optimizer": {"learning_rate": 1e-5, "weight_decay": 0.01},
         "lr_scheduler": {"name": "cosine", "warmup_steps": 200, "min_lr_ratio": 0.1},
         "parallel": {"strategy": "fsdp"},

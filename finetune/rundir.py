@@ -8,7 +8,9 @@ from pathlib import Path
 from .config import TrainConfig
 
 # Settings that may change between a run and its resumption (they do not alter the maths).
-_RESUMABLE_CHANGES = {"checkpointing", "validation", "export", "logging", "training.max_steps", "output_dir"}
+_RESUMABLE_CHANGES = {"checkpointing", "validation", "export", "logging", "training.max_steps", "output_dir",
+                      "data.num_workers", "data.prefetch_factor", "training.offload_blocks", "training.compile",
+                      "training.activation_checkpointing"}
 
 
 class RunDirectoryError(ValueError):

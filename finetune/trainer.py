@@ -1,8 +1,9 @@
-"""The training loop. Everything it calls lives in a module named after what it does."""
+"""The training loop. Everything it calls lives in a module named after what it does:
+``engine`` (processes, sharded setup, DCP checkpoints, the DataLoader), ``data`` (samples and the
+feature cache), ``methods`` (LoRA / full), ``objective``, ``optim``, ``export``."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -12,19 +13,19 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint as ckpt
-from .buckets import BucketBatches
-from .cache import build_cache
-from .config import TrainConfig
-from .encoding import pack_latents, position_ids
-from .methods import add_lora, prepare_full_finetune, trainable_parameter_count
+from .config import ConfigError, TrainConfig
+from .data.cache import build_cache
+from .data.encoding import position_ids
+from .data.samples import prepare_samples
+from .engine import checkpoint as ckpt
+from .engine.loader import CachedFeatures, GlobalBatch, ResumableSampler, make_loader, step_layout
+from .engine.parallel import full_state_dict, no_sync, unwrap, wrap_model
+from .engine.runtime import setup_runtime
 from .metrics import MetricsLogger
-from .objective import add_noise, flow_matching_loss, sample_timesteps
+from .methods import add_lora, quantize_base, trainable_parameter_count
+from .objective import add_noise, flow_matching_loss
 from .optim import make_lr_scheduler, make_optimizer
-from .parallel import (full_state_dict, load_full_state_dict, load_optimizer_state, no_sync, optimizer_state,
-                       setup_runtime, unwrap, wrap_model)
 from .rundir import RunDirectoryError, check_output_dir, config_fingerprint
-from .samples import prepare_samples
 
 __all__ = ["NonFiniteLossError", "RunDirectoryError", "TrainResult", "Trainer", "check_output_dir", "prepare_samples", "train"]
 
@@ -71,11 +72,8 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
-def _step_generator(seed: int, index: int) -> torch.Generator:
-    """Noise, timesteps and caption dropout of micro-batch ``index`` come from here: identical for
-    every process count and after a resume."""
-    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+def _json_roundtrip(value):
+    return json.loads(json.dumps(value))
 
 
 class Trainer:
@@ -84,7 +82,7 @@ class Trainer:
         self.resume = resume
         self.runtime = setup_runtime(config)
         self.out = Path(config.output_dir)
-        self.ckpt_dir = self.out / "checkpoints"
+        self.lora = config.training.method == "lora"
         # Further scalars of the last step for metrics.jsonl (post-training's rewards, margins ...).
         self.extra_metrics: dict[str, float] = {}
 
@@ -93,108 +91,128 @@ class Trainer:
         config, runtime = self.config, self.runtime
         check_output_dir(self.out, config, self.resume)
         self.samples, self.buckets, _ = prepare_samples(config, self.out, runtime)
+        self.global_batch = self._global_batch()
+        self.layout = step_layout(self.global_batch, runtime.rank, runtime.world_size)
         runtime.barrier()
         self.record_run()
 
-        from .model import load_pipeline
+        from .model import build_sharded_transformer, load_pipeline, release_encoders
 
-        self.pipe = load_pipeline(config.model.pretrained_model_name_or_path, config.model.dtype, runtime.device)
+        # A full fine-tune builds its transformer sharded below; the pipeline only brings the encoders.
+        self.pipe = load_pipeline(config.model, runtime.device, **({} if self.lora else {"transformer": None}))
         self.cache = build_cache(
             self.pipe, self.samples, self.buckets, config.data.cache_dir or self.out / "cache",
             config.model.max_sequence_length, runtime.device, runtime.rank, runtime.world_size, runtime.barrier,
         )
-        if runtime.device.type == "cuda":
-            # Everything is cached: the 4B text encoder only comes back for validation prompts.
-            self.pipe.text_encoder.to("cpu")
-            torch.cuda.empty_cache()
-        transformer = self.pipe.transformer
-        torch.manual_seed(config.training.seed)  # LoRA A init: same on every process
-        if config.training.method == "lora":
-            add_lora(transformer, config.lora)
+        release_encoders(self.pipe, runtime.device)
+        if self.lora:
+            self.model = self._lora_model(self.pipe.transformer)
         else:
-            prepare_full_finetune(transformer)
-        transformer.train()
-        self.model = wrap_model(transformer, config, runtime)
+            self.model = build_sharded_transformer(config, runtime)
+            self.pipe.register_modules(transformer=self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, config.optimizer)
         self.lr_scheduler = make_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.max_steps)
-        global_batch = config.training.batch_size * runtime.world_size
-        self.batches = BucketBatches(self.buckets, global_batch, seed=config.training.seed, shuffle=config.data.shuffle)
         self.start_step = self._restore() if self.resume else 0
         if runtime.is_main:
-            logger.info("training %d parameters on %d samples, %d process(es), strategy %s",
-                        trainable_parameter_count(transformer), len(self.samples), runtime.world_size, runtime.strategy)
+            logger.info("training %d parameters on %d samples, %d process(es), strategy %s, %d forward(s) of %d per step",
+                        trainable_parameter_count(unwrap(self.model)), len(self.samples), runtime.world_size,
+                        runtime.strategy, len(self.layout), self.layout[0].stop - self.layout[0].start)
 
     def record_run(self) -> None:
-        """Main process: the run folder, ``run.json`` (on the first start) and no stale staging folders."""
-        if not self.runtime.is_main:
-            return
-        self.out.mkdir(parents=True, exist_ok=True)
-        run = {"fingerprint": config_fingerprint(self.config), "config": self.config.to_dict(),
-               "world_size": self.runtime.world_size}
-        if not (self.out / "run.json").exists():
-            (self.out / "run.json").write_text(json.dumps(run, indent=2))
-        ckpt.clean_staging(self.ckpt_dir)
+        """The checkpointer; on the main process the run folder, ``run.json`` (first start) and no
+        stale staging folders."""
+        config, runtime = self.config, self.runtime
+        self.checkpointer = ckpt.Checkpointer(self.out / "checkpoints", runtime, config.checkpointing.keep_last,
+                                              config.checkpointing.async_save)
+        if runtime.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            if not (self.out / "run.json").exists():
+                run = {"fingerprint": config_fingerprint(config), "config": config.to_dict(),
+                       "world_size": runtime.world_size, "global_batch": self.global_batch.to_dict()}
+                (self.out / "run.json").write_text(json.dumps(run, indent=2))
+            ckpt.clean_staging(self.checkpointer.folder)
+
+    def _global_batch(self) -> GlobalBatch:
+        """Fixed at the run's start; a resumed run (on any number of processes) keeps it."""
+        run_file = self.out / "run.json"
+        if self.resume and run_file.exists():
+            saved = json.loads(run_file.read_text()).get("global_batch")
+            if saved:
+                return GlobalBatch(**saved)
+        t = self.config.training
+        return GlobalBatch(t.batch_size * self.runtime.world_size, t.gradient_accumulation_steps, t.batch_size)
+
+    def _lora_model(self, transformer):
+        config = self.config
+        compute = torch.float32 if config.model.dtype == "float32" else torch.bfloat16
+        quantize_base(transformer, config.model.quantize, compute)
+        torch.manual_seed(config.training.seed)  # LoRA A init: same on every process
+        add_lora(transformer, config.lora)
+        transformer.train()
+        blocks = list(transformer.transformer_blocks)
+        if config.training.offload_blocks > len(blocks):
+            raise ConfigError(f"training.offload_blocks={config.training.offload_blocks} but the transformer has {len(blocks)} blocks")
+        return wrap_model(transformer, blocks, self.runtime, activation_checkpointing=config.training.activation_checkpointing,
+                          compile=config.training.compile, mixed_precision=config.training.mixed_precision,
+                          offloaded_blocks=config.training.offload_blocks)
+
+    def _expected_state(self) -> dict:
+        return _json_roundtrip({"fingerprint": config_fingerprint(self.config), "global_batch": self.global_batch.to_dict()})
 
     def _restore(self) -> int:
-        latest = ckpt.latest_checkpoint(self.ckpt_dir)
+        latest = ckpt.latest_checkpoint(self.checkpointer.folder)
         if latest is None:
             if (self.out / "run.json").exists() and self.runtime.is_main:
-                logger.warning("--resume: no checkpoint in %s yet, starting from step 0", self.ckpt_dir)
+                logger.warning("--resume: no checkpoint in %s yet, starting from step 0", self.checkpointer.folder)
             return 0
-        model_state, optim_state, state = ckpt.load_checkpoint(latest)
-        load_full_state_dict(self.model, model_state, self.runtime)
-        load_optimizer_state(self.model, self.optimizer, optim_state, self.runtime)
+        state = self.checkpointer.load(latest, self.model, self.optimizer, trainable_only=self.lora,
+                                       expected=self._expected_state())
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        ckpt.load_rng(latest, self.runtime.rank)
-        return int(state["step"])
+        if state["world_size"] != self.runtime.world_size and self.runtime.is_main:
+            logger.info("resuming %s (written by %d process(es)) on %d: the global batch of %d samples is kept",
+                        latest.name, state["world_size"], self.runtime.world_size, self.global_batch.samples_per_step)
+        return int(state["data"]["next_step"])
 
     # ---------------------------------------------------------------- one step
-    def _micro_batch(self, index: int):
-        config, runtime = self.config, self.runtime
-        local = self.batches.local_batch(index, runtime.rank, runtime.world_size)
-        global_ids = self.batches.global_batch(index)
-        latents = self.cache.latents(local)  # (B, 16, h, w)
-        _, _, h, w = latents.shape
-        x0 = pack_latents(latents)  # (B, N, 64)
-        generator = _step_generator(config.training.seed, index)
-        n_global, tokens, features = len(global_ids), x0.shape[1], x0.shape[2]
-        noise = torch.randn((n_global, tokens, features), generator=generator)
-        t = sample_timesteps(n_global, tokens, config.objective, generator)
-        drop = (torch.rand(n_global, generator=generator) < config.data.caption_dropout).tolist()
-        mine = slice(runtime.rank * len(local), (runtime.rank + 1) * len(local))
-        embeds, mask = self.cache.text(local, drop[mine])
-        device = runtime.device
-        return dict(
-            x0=x0.to(device), noise=noise[mine].to(device), t=t[mine].to(device),
-            embeds=embeds.to(device), mask=mask.to(device),
-            positions=position_ids(embeds.shape[1], h // 2, w // 2, device), ids=global_ids,
-        )
+    def _to_device(self, item: dict) -> dict:
+        device = self.runtime.device
+        batch = {k: v.to(device, non_blocking=True) for k, v in item.items() if k not in ("ids", "grid")}
+        grid = item["grid"].tolist()
+        batch["positions"] = position_ids(item["embeds"].shape[1], grid[0], grid[1], device)
+        batch["ids"] = item["ids"].tolist()
+        return batch
 
-    def train_step(self, step: int) -> tuple[float, float]:
-        """One optimizer step (``gradient_accumulation_steps`` micro-batches); returns (loss, grad norm)."""
+    def train_step(self, step: int, items) -> tuple[float, float]:
+        """One optimizer step over this process's forwards; returns (loss, grad norm).
+
+        Each forward's summed per-sample loss is scaled by ``world_size / samples_per_step`` so the
+        gradient averaged by DDP/FSDP is the mean over the whole global batch, however the step's
+        samples are split over processes.
+        """
         config, runtime = self.config, self.runtime
-        accumulation = config.training.gradient_accumulation_steps
-        total = 0.0
-        for micro in range(accumulation):
-            batch = self._micro_batch(step * accumulation + micro)
+        total_samples = self.global_batch.samples_per_step
+        local_sum = 0.0
+        for j in range(len(self.layout)):
+            batch = self._to_device(next(items))
             noisy = add_noise(batch["x0"], batch["noise"], batch["t"])
             with runtime.autocast():
                 pred = self.model(
                     hidden_states=noisy, encoder_hidden_states=batch["embeds"], timestep=batch["t"],
                     position_ids=batch["positions"], encoder_attention_mask=batch["mask"], return_dict=False,
                 )[0]
-            loss = flow_matching_loss(pred, batch["x0"], batch["noise"], batch["t"], config.objective.loss_weighting)
-            mean_loss = float(runtime.mean(loss))
-            if not math.isfinite(mean_loss):
+            size = len(batch["ids"])
+            loss_sum = flow_matching_loss(pred, batch["x0"], batch["noise"], batch["t"], config.objective.loss_weighting) * size
+            value = float(loss_sum.detach())
+            if not math.isfinite(runtime.sum(0.0 if math.isfinite(value) else math.inf)):
                 names = [self.samples[i].image_path.name for i in batch["ids"]]
                 raise NonFiniteLossError(
-                    f"loss is {mean_loss} at step {step + 1} (micro-batch {micro}) on images {names}; "
-                    f"stopped without saving, the last good checkpoint is kept in {self.ckpt_dir}"
+                    f"loss is {value} at step {step + 1} (forward {j}) on images {names}; "
+                    f"stopped without saving, the last good checkpoint is kept in {self.checkpointer.folder}"
                 )
-            with no_sync(self.model, runtime, sync=micro == accumulation - 1):
-                (loss / accumulation).backward()
-            total += mean_loss / accumulation
+            with no_sync(self.model, runtime, sync=j == len(self.layout) - 1):
+                (loss_sum * (runtime.world_size / total_samples)).backward()
+            local_sum += value
         max_norm = config.optimizer.max_grad_norm
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm else float("inf"))
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
@@ -202,38 +220,35 @@ class Trainer:
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total, float(grad_norm)
+        return runtime.sum(local_sum) / total_samples, float(grad_norm)
 
     # ---------------------------------------------------------------- checkpoints and export
     def save(self, step: int) -> None:
-        runtime = self.runtime
-        lora = self.config.training.method == "lora"
-        model_state = full_state_dict(self.model, runtime, trainable_only=lora)
-        optim_state = optimizer_state(self.model, self.optimizer, runtime)
-        tmp = ckpt.staging_dir(self.ckpt_dir, step)
-        if runtime.is_main:
-            ckpt.clean_staging(self.ckpt_dir)
-            tmp.mkdir(parents=True)
-        runtime.barrier()
-        ckpt.write_rng(tmp, runtime.rank)
-        if runtime.is_main:
-            state = {"step": step, "lr_scheduler": self.lr_scheduler.state_dict(), "world_size": runtime.world_size}
-            ckpt.write_main(tmp, model_state, optim_state, state)
-        runtime.barrier()
-        if runtime.is_main:
-            ckpt.publish(tmp, step, self.config.checkpointing.keep_last)
-        runtime.barrier()
+        state = {**self._expected_state(), "lr_scheduler": self.lr_scheduler.state_dict(), "data": {"next_step": step},
+                 "method": self.config.training.method,
+                 "transformer_config": _json_roundtrip({k: v for k, v in dict(unwrap(self.model).config).items()
+                                                        if not k.startswith("_")}),
+                 "base_model": self.config.export.base_model or self.config.model.pretrained_model_name_or_path,
+                 "lora": _json_roundtrip(vars(self.config.lora)) if self.lora else None,
+                 "export": self.export_hints()}
+        self.checkpointer.save(step, self.model, self.optimizer, trainable_only=self.lora, train_state=state)
+
+    def export_hints(self) -> dict:
+        """What the export takes from the checkpoint: ``model_prefix`` (the part of the model that
+        is the exported transformer), ``exclude_adapters``, extra file ``metadata``."""
+        return {}
 
     def export(self, step: int) -> list[Path]:
-        from .export import export_full, export_lora
+        """Written from the final DCP checkpoint by the main process, streaming tensor by tensor."""
+        from .export import export_checkpoint
 
-        lora = self.config.training.method == "lora"
-        state = full_state_dict(self.model, self.runtime, trainable_only=lora)
-        if not self.runtime.is_main:
-            return []
-        if lora:
-            return export_lora(state, self.config, self.out, step)
-        return export_full(state, dict(unwrap(self.model).config), self.config, self.out, step)
+        self.checkpointer.wait()
+        written = []
+        if self.runtime.is_main:
+            path = self.checkpointer.folder / ckpt.checkpoint_name(step)
+            written = export_checkpoint(path, self.out, self.config.export.formats, self.config.export.trigger_words)
+        self.runtime.barrier()
+        return written
 
     def lora_layers(self):
         from krea2_diffusers.lora import lora_layers_from_diffusers_state_dict
@@ -241,7 +256,29 @@ class Trainer:
         state = full_state_dict(self.model, self.runtime, trainable_only=True)
         return lora_layers_from_diffusers_state_dict(state, self.config.lora.alpha, self.config.lora.rank)
 
+    def forward_batch(self, step: int, forward: int = 0) -> dict:
+        """The device tensors of one of this process's forward passes, as the loader makes them."""
+        return self._to_device(self._dataset()[(step, self.layout[forward])])
+
     # ---------------------------------------------------------------- the loop
+    def _dataset(self) -> CachedFeatures:
+        config = self.config
+        return CachedFeatures(self.cache, self._batches(), self.global_batch, config.training.seed,
+                              config.data.caption_dropout, config.objective)
+
+    def _loader(self):
+        config = self.config
+        dataset = self._dataset()
+        sampler = ResumableSampler(self.layout, self.start_step, config.training.max_steps)
+        return make_loader(dataset, sampler, num_workers=config.data.num_workers, prefetch_factor=config.data.prefetch_factor,
+                           pin_memory=self.runtime.device.type == "cuda")
+
+    def _batches(self):
+        from .data.buckets import BucketBatches
+
+        return BucketBatches(self.buckets, self.global_batch.micro_batch, seed=self.config.training.seed,
+                             shuffle=self.config.data.shuffle)
+
     def train(self) -> TrainResult:
         config, runtime = self.config, self.runtime
         self.setup()
@@ -251,13 +288,13 @@ class Trainer:
         metrics = MetricsLogger(self.out, runtime.is_main, self.start_step, config.training.max_steps,
                                 config.logging.tensorboard, config.logging.progress_bar, config.logging.log_every_n_steps)
         result = TrainResult(self.out, self.start_step)
-        lora = config.training.method == "lora"
         every = config.checkpointing.every_n_steps
         step = self.start_step
+        items = iter(self._loader())
         try:
             with _StopRequest() as stop:
                 while step < config.training.max_steps:
-                    loss, grad_norm = self.train_step(step)
+                    loss, grad_norm = self.train_step(step, items)
                     step += 1
                     result.losses[step] = loss
                     metrics.log(step, loss, self.lr_scheduler.get_last_lr()[0], grad_norm, self.extra_metrics)
@@ -265,15 +302,17 @@ class Trainer:
                     if stopping or (every > 0 and step % every == 0) or step == config.training.max_steps:
                         self.save(step)
                     if validator.due(step):
-                        validator.run(self.model, step, metrics, self.lora_layers() if lora else None)
+                        validator.run(self.model, step, metrics, self.lora_layers() if self.lora else None)
                     if stopping:
                         result.interrupted = True
                         break
+            self.checkpointer.wait()
             result.final_step = step
             if not result.interrupted:
                 if validator.enabled and not validator.due(step):
-                    validator.run(self.model, step, metrics, self.lora_layers() if lora else None)
-                result.exported = self.export(step)
+                    validator.run(self.model, step, metrics, self.lora_layers() if self.lora else None)
+                if ckpt.latest_checkpoint(self.checkpointer.folder) is not None:
+                    result.exported = self.export(step)
         finally:
             metrics.close()
         return result

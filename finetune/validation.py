@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 
 from .config import TrainConfig
-from .parallel import Runtime, gathered
+from .engine.parallel import gathered
+from .engine.runtime import Runtime
 
 
 class Validator:
@@ -38,9 +39,10 @@ class Validator:
         """Every process must call this (FSDP gathers parameters collectively); the main one saves."""
         v = self.config.validation
         model.eval()
-        encoder = self.pipe.text_encoder
-        encoder_device = next(encoder.parameters()).device
-        encoder.to(self.runtime.device)  # offloaded during training on GPUs
+        encoders = [self.pipe.text_encoder, self.pipe.vae]
+        homes = [next(m.parameters()).device for m in encoders]
+        for module in encoders:
+            module.to(self.runtime.device)  # offloaded during training on GPUs
         try:
             with torch.no_grad(), gathered(model, self.runtime):
                 images = {"raw": self._sample(self.pipe, v.num_inference_steps, v.guidance_scale)}
@@ -48,7 +50,8 @@ class Validator:
                 images["turbo"] = self._sample(self._turbo_with(lora_layers), v.turbo_num_inference_steps, 0.0)
         finally:
             model.train()
-            encoder.to(encoder_device)
+            for module, home in zip(encoders, homes):
+                module.to(home)
         saved = []
         if self.runtime.is_main:
             folder = self.out_dir / "samples" / f"step-{step:06d}"

@@ -43,6 +43,11 @@ def _load_tokenizer(tokenizer, text_encoder_source):
     return qwen_tokenizer()
 
 
+# `transformer=LOAD` (the default) reads the transformer from the named file or folder; an
+# already-built module is used as is, and None leaves it out (a trainer that builds it sharded).
+LOAD = "load"
+
+
 def recorded_distillation(path) -> tuple[bool | None, int | None]:
     """What a transformer file (or a diffusers folder's ``transformer/``) says about itself:
     (is_distilled, step count) from its safetensors metadata, or (None, None)."""
@@ -60,13 +65,15 @@ def recorded_distillation(path) -> tuple[bool | None, int | None]:
         return None, None
 
 
-def assemble_from_single_file(cls, path, *, text_encoder, vae, tokenizer=None, torch_dtype=None, is_distilled=None, **load_kwargs):
+def assemble_from_single_file(cls, path, *, text_encoder, vae, tokenizer=None, torch_dtype=None, is_distilled=None,
+                              transformer=LOAD, **load_kwargs):
     """See :meth:`Krea2Pipeline.from_single_file`. ``text_encoder``/``vae`` may be ``"tiny-random"`` (tests)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     from .tiny import scheduler_config
 
-    transformer = Krea2Transformer2DModel.from_single_file(path, torch_dtype=torch_dtype)
+    if isinstance(transformer, str) and transformer == LOAD:
+        transformer = Krea2Transformer2DModel.from_single_file(path, torch_dtype=torch_dtype)
     tiny = tiny_components() if is_tiny(text_encoder) or is_tiny(vae) else None
     te = tiny["text_encoder"] if is_tiny(text_encoder) else _load_text_encoder(text_encoder, torch_dtype, **load_kwargs)
     tok = tiny["tokenizer"] if is_tiny(text_encoder) and tokenizer is None else _load_tokenizer(tokenizer, text_encoder)
@@ -80,19 +87,31 @@ def assemble_from_single_file(cls, path, *, text_encoder, vae, tokenizer=None, t
     )
 
 
-def load_pipeline(cls, model: str, *, text_encoder=None, vae=None, torch_dtype=None, is_distilled=None, device=None):
+def load_pipeline(cls, model: str, *, text_encoder=None, vae=None, torch_dtype=None, is_distilled=None, device=None,
+                  transformer=LOAD):
     """Resolve what a user names — ``tiny-random``, a diffusers folder or hub id, or a transformer
-    file (``.safetensors``/``.gguf``/index) — to a ready pipeline."""
+    file (``.safetensors``/``.gguf``/index) — to a ready pipeline.
+
+    ``text_encoder``/``vae``: hub id, folder, loaded module or ``tiny-random`` (for a transformer
+    file; a folder brings its own). ``transformer``: :data:`LOAD`, a module, or None to leave it out.
+    """
     path = Path(model)
     if is_tiny(model):
         pipe = cls.from_pretrained(model, torch_dtype=torch_dtype, is_distilled=is_distilled)
+        if not (isinstance(transformer, str) and transformer == LOAD):
+            pipe.register_modules(transformer=transformer)
     elif path.is_file() or path.name.endswith(".index.json"):
         extra = {k: v for k, v in (("text_encoder", text_encoder), ("vae", vae)) if v is not None}
-        pipe = cls.from_single_file(path, torch_dtype=torch_dtype, is_distilled=is_distilled, **extra)
+        pipe = cls.from_single_file(path, torch_dtype=torch_dtype, is_distilled=is_distilled, transformer=transformer, **extra)
     else:
         if path.is_dir() and not (path / "model_index.json").exists():
             raise FileNotFoundError(f"{path}: folder has no model_index.json (expected a diffusers-format Krea 2 folder)")
         kwargs = {"torch_dtype": torch_dtype} if torch_dtype is not None else {}
+        if not (isinstance(transformer, str) and transformer == LOAD):
+            kwargs["transformer"] = transformer
+        for name, component in (("text_encoder", text_encoder), ("vae", vae)):
+            if component is not None and not isinstance(component, (str, Path)):
+                kwargs[name] = component  # already loaded (e.g. shared with another pipeline)
         if is_distilled is None:
             is_distilled = looks_distilled(model) or None
         pipe = cls.from_pretrained(model, is_distilled=is_distilled, **kwargs)

@@ -158,6 +158,19 @@ def read_safetensors_header(path) -> tuple[dict[str, dict], dict[str, str], int]
     return header, metadata, data_start
 
 
+def read_bytes_into(handle, offset: int, buffer: torch.Tensor, truncated: str) -> None:
+    """Fill the contiguous CPU ``buffer`` with the bytes of ``handle`` (unbuffered binary file)
+    starting at ``offset``; raise :class:`CheckpointError` with ``truncated`` at an early end."""
+    handle.seek(offset)
+    view = memoryview(buffer.view(torch.uint8).reshape(-1).numpy())
+    got = 0
+    while got < len(view):
+        n = handle.readinto(view[got:])
+        if not n:
+            raise CheckpointError(truncated)
+        got += n
+
+
 def read_safetensors(path, names=None, dtype_for=None) -> dict[str, torch.Tensor]:
     """Read tensors of a safetensors file directly into fresh CPU buffers.
 
@@ -176,15 +189,42 @@ def read_safetensors(path, names=None, dtype_for=None) -> dict[str, torch.Tensor
             dtype = SAFETENSORS_DTYPES[entry["dtype"]]
             begin, end = entry["data_offsets"]
             buffer = torch.empty(end - begin, dtype=torch.uint8)
-            handle.seek(data_start + begin)
-            view = memoryview(buffer.numpy())
-            got = 0
-            while got < len(view):
-                n = handle.readinto(view[got:])
-                if not n:
-                    raise CheckpointError(f"{path}: file is truncated inside tensor {name!r}")
-                got += n
+            read_bytes_into(handle, data_start + begin, buffer, f"{path}: file is truncated inside tensor {name!r}")
             tensor = buffer.view(dtype).reshape(entry["shape"])
             target = dtype_for(name, dtype) if dtype_for else dtype
             out[name] = tensor if target == dtype else tensor.to(target)
     return out
+
+
+SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+# Headers are padded so tensor data starts 8-byte aligned (as the safetensors library writes them).
+_HEADER_ALIGN = 8
+
+
+def write_safetensors_streaming(path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], chunks,
+                                metadata: dict[str, str] | None = None) -> None:
+    """Atomically write a safetensors file whose tensors arrive in groups, never all in memory.
+
+    Args:
+        entries: (name, dtype, shape) of every tensor, in the order they will arrive.
+        chunks: an iterable of dicts name -> tensor, together yielding every entry once, in order.
+    """
+    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, dtype, shape in entries:
+        size = dtype.itemsize * int(torch.Size(shape).numel())
+        header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % _HEADER_ALIGN)
+    order = iter(entries)
+    with atomic_write(path) as handle:
+        handle.write(struct.pack("<Q", len(raw)))
+        handle.write(raw)
+        for chunk in chunks:
+            for name, tensor in chunk.items():
+                expected = next(order)
+                if expected[0] != name or tensor.dtype != expected[1] or tuple(tensor.shape) != tuple(expected[2]):
+                    raise ValueError(f"{path}: tensor {name!r} {tensor.dtype} {tuple(tensor.shape)} arrived where "
+                                     f"{expected} was announced")
+                handle.write(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from .convert import (
     original_module_to_diffusers,
     strip_original_prefix,
 )
-from .files import CheckpointError, read_safetensors, read_safetensors_header
+from .files import SAFETENSORS_DTYPES, CheckpointError, read_safetensors, read_safetensors_header
 from .layers import rope_axes_dims
 
 logger = logging.getLogger(__name__)
@@ -185,3 +186,53 @@ def load_single_file(cls, path, torch_dtype: torch.dtype | None = None, config: 
         state_dict.update(convert_original_to_diffusers(tensors) if layout == "original" else tensors)
         del tensors
     return load_state_dict_into_meta_model(cls, state_dict, config, str(path))
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """Where one tensor's bytes sit in a safetensors file: row-major, ``shape`` as stored."""
+
+    file: Path
+    offset: int  # absolute byte offset of the first element
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def locate_transformer_tensors(path, config: dict | None = None) -> tuple[dict, dict[str, TensorLocation]]:
+    """The transformer config and, per diffusers tensor name, where its bytes are, without reading them.
+
+    For readers that take only part of each tensor (a sharded training setup reads its own rows).
+    ``path``: an original-layout single file or index (the config is inferred from shapes), a
+    diffusers ``transformer`` folder (its ``config.json``), or a diffusers pipeline folder.
+    Stored element order equals the diffusers tensor's (the modulation table's reshape is a view).
+    """
+    path = Path(path)
+    if path.suffix == ".gguf":
+        raise CheckpointError(f"{path}: GGUF files hold quantized blocks; reading row slices needs safetensors")
+    if path.is_dir() and (path / "model_index.json").exists():
+        path = path / "transformer"
+    if path.is_dir() and (path / "config.json").exists() and config is None:
+        config = {k: v for k, v in json.loads((path / "config.json").read_text()).items() if not k.startswith("_")}
+    files = _shard_files(path)
+    headers = {f: read_safetensors_header(f) for f in files}
+    keys = [k for h, _, _ in headers.values() for k in h]
+    layout = _identify(keys, path)
+    if layout == "original" and config is None:
+        config = infer_config_from_shapes({strip_original_prefix(k): tuple(e["shape"]) for h, _, _ in headers.values() for k, e in h.items()})
+    if config is None:
+        raise CheckpointError(f"{path}: a diffusers-layout single file needs `config=`")
+    located: dict[str, TensorLocation] = {}
+    for file, (header, _, data_start) in headers.items():
+        for key, entry in header.items():
+            if layout == "original":
+                if strip_original_prefix(key).startswith(DORMANT_ORIGINAL_PREFIXES):
+                    continue
+                try:
+                    name = original_module_to_diffusers(key)
+                except UnknownKeyError:
+                    raise CheckpointError(f"{path}: unexpected tensor {key!r} (not part of Krea 2)") from None
+            else:
+                name = key
+            located[name] = TensorLocation(file, data_start + entry["data_offsets"][0],
+                                           SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]))
+    return config, located

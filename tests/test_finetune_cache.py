@@ -6,8 +6,8 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from finetune.buckets import make_buckets, nearest_bucket
-from finetune.cache import build_cache
+from finetune.data.buckets import make_buckets, nearest_bucket
+from finetune.data.cache import build_cache
 from finetune.data import make_synthetic_dataset, scan_dataset
 from krea2_diffusers import Krea2Pipeline
 

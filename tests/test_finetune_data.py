@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 from PIL import Image
 
-from finetune.buckets import BucketBatches, fits, make_buckets, nearest_bucket, resize_to_bucket
+from finetune.data.buckets import BucketBatches, fits, make_buckets, nearest_bucket, resize_to_bucket
 from finetune.config import build_config
 from finetune.data import DatasetError, make_synthetic_dataset, scan_dataset
 from finetune.trainer import RunDirectoryError, check_output_dir, prepare_samples

@@ -14,6 +14,7 @@ import yaml
 from safetensors.torch import load_file
 
 from finetune.config import build_config
+from finetune.export import model_tensors
 from finetune.metrics import read_metrics
 from finetune.trainer import train
 
@@ -68,6 +69,7 @@ def test_two_processes_equal_one(tmp_path, method):
     for key in weights_one:
         torch.testing.assert_close(weights_two[key], weights_one[key], rtol=1e-4, atol=1e-5)
     assert (tmp_path / "two" / "samples" / "step-000004" / "raw-00.png").is_file()
-    # The sharded run's checkpoint holds the whole model (gathered), resumable with any world size.
-    checkpoint = load_file(str(tmp_path / "two" / "checkpoints" / "step-000004" / "model.safetensors"))
-    assert set(checkpoint) == set(load_file(str(tmp_path / "one" / "checkpoints" / "step-000004" / "model.safetensors")))
+    # A DCP checkpoint: every process wrote its own shard file; same tensors as the 1-process run's.
+    folder = tmp_path / "two" / "checkpoints" / "step-4"
+    assert sorted(p.name for p in folder.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert model_tensors(folder) == model_tensors(tmp_path / "one" / "checkpoints" / "step-4")

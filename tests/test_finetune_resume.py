@@ -97,7 +97,7 @@ def test_resume_after_kill_9_and_after_sigterm_equals_uninterrupted(tmp_path):
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 130, output[-2000:]
     stopped = read_metrics(termed)[-1]["step"]
-    assert stopped < MAX_STEPS and (termed / "checkpoints" / f"step-{stopped:06d}").is_dir()
+    assert stopped < MAX_STEPS and (termed / "checkpoints" / f"step-{stopped}").is_dir()
 
     for out in (killed, termed):
         result = train(build_config(_config(out, cache)), resume=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import finetune.encoding
+import finetune.data.encoding
 from finetune.config import build_config
 from finetune.objective import add_noise
 from finetune.posttrain.config import PosttrainConfig
@@ -55,7 +55,7 @@ def dpo_config(out, **dpo) -> dict:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dpo")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(finetune.encoding, "encode_images", colour_latents)
+        patch.setattr(finetune.data.encoding, "encode_images", colour_latents)
         plain = posttrain(build_config(dpo_config(root / "plain"), cls=PosttrainConfig))
         anchored = posttrain(build_config(dpo_config(root / "anchored", sft_weight=1.0, chosen_anchor_weight=1.0),
                                           cls=PosttrainConfig))
@@ -64,7 +64,7 @@ def runs(tmp_path_factory):
 
 def heldout_losses(pipe, root) -> tuple[torch.Tensor, torch.Tensor]:
     """Flow-matching losses (pairs, draws) of ``pipe`` on the held-out chosen and rejected images."""
-    from finetune.cache import load_image_tensor
+    from finetune.data.cache import load_image_tensor
 
     pairs, _ = scan_pairs(root / "pairs" / "pairs.jsonl")
     generator = torch.Generator().manual_seed(123)

@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..buckets import BucketBatches, fits, make_buckets, nearest_bucket
-from ..cache import build_cache
 from ..data import DatasetError
-from ..encoding import pack_latents, position_ids
+from ..data.buckets import BucketBatches, fits, make_buckets, nearest_bucket
+from ..data.cache import build_cache
+from ..data.encoding import pack_latents, position_ids
+from ..engine.parallel import no_sync
 from ..objective import add_noise, flow_matching_losses, sample_timesteps
-from ..parallel import no_sync
 from ..trainer import NonFiniteLossError
 from .pairs import make_synthetic_pairs, scan_pairs
 from .trainer import PosttrainTrainer
@@ -107,7 +107,8 @@ class DPOTrainer(PosttrainTrainer):
         cache_dir = config.dpo.cache_dir or self.out / "cache"
         self.cache = build_cache(self.pipe, samples, sample_buckets, cache_dir, config.model.max_sequence_length,
                                  runtime.device, runtime.rank, runtime.world_size, runtime.barrier)
-        self.batches = BucketBatches(self.pair_buckets[: self.num_train], config.training.batch_size * runtime.world_size,
+        # The run's global micro-batch (kept on resume with another number of processes).
+        self.batches = BucketBatches(self.pair_buckets[: self.num_train], self.global_batch.micro_batch,
                                      seed=config.training.seed, shuffle=config.data.shuffle)
 
     # ---------------------------------------------------------------- losses
@@ -135,9 +136,9 @@ class DPOTrainer(PosttrainTrainer):
         ref_losses = flow_matching_losses(ref, x0, noise, t, weighting).chunk(2)
         return PairLosses(*model_losses, *ref_losses)
 
-    def train_step(self, step: int) -> tuple[float, float]:
+    def train_step(self, step: int, items=None) -> tuple[float, float]:
         config, runtime, section = self.config, self.runtime, self.config.dpo
-        accumulation = config.training.gradient_accumulation_steps
+        accumulation = self.global_batch.accumulation
         total, stats = 0.0, {}
         for micro in range(accumulation):
             index = step * accumulation + micro
@@ -155,7 +156,7 @@ class DPOTrainer(PosttrainTrainer):
             if not math.isfinite(mean_loss):
                 prompts = [self.pairs[i].prompt for i in global_ids]
                 raise NonFiniteLossError(f"DPO loss is {mean_loss} at step {step + 1} on pairs with prompts {prompts}; "
-                                         f"stopped without saving, the last good checkpoint is kept in {self.ckpt_dir}")
+                                         f"stopped without saving, the last good checkpoint is kept in {self.checkpointer.folder}")
             with no_sync(self.model, runtime, sync=micro == accumulation - 1):
                 (loss / accumulation).backward()
             total += mean_loss / accumulation

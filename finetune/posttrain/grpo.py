@@ -89,11 +89,12 @@ class GRPOTrainer(PosttrainTrainer):
         dist.all_gather(parts, values.to(self.runtime.device) if dist.get_backend() == "nccl" else values)
         return torch.cat([p.cpu() for p in parts])
 
-    def train_step(self, step: int) -> tuple[float, float]:
+    def train_step(self, step: int, items=None) -> tuple[float, float]:
         config, runtime, section = self.config, self.runtime, self.config.grpo
-        group, per_rank = section.group_size, config.training.batch_size
+        # The run's global batch of prompts, kept on resume with another number of processes.
+        group, per_rank = section.group_size, self.global_batch.micro_batch // runtime.world_size
         generator = self.generator(step)
-        global_ids = self.pool.sample(per_rank * runtime.world_size, generator)
+        global_ids = self.pool.sample(self.global_batch.micro_batch, generator)
         mine = slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
         prompt_ids = global_ids[mine]
         steps = len(self.times) - 1
@@ -103,7 +104,7 @@ class GRPOTrainer(PosttrainTrainer):
         channels = self.pipe.transformer.config.in_channels
         noise = initial_noise(len(global_ids) * group, channels, self.size, self.size, generator)
         noise = noise[runtime.rank * per_rank * group:(runtime.rank + 1) * per_rank * group]
-        sde_generator = self.generator(f"sde-{step}-rank{runtime.rank}")
+        sde_generator = self.generator(f"sde-{step}-slot{mine.start}")
 
         # 1. Rollouts with the current weights, and their rewards.
         embeds, mask = self.conditioning(prompt_ids, group)
@@ -139,7 +140,7 @@ class GRPOTrainer(PosttrainTrainer):
                 loss = (policy + section.kl_weight * kl).mean() / len(rollout.times)
                 if not math.isfinite(float(loss.detach())):
                     raise NonFiniteLossError(f"GRPO loss is {float(loss.detach())} at step {step + 1} on prompts "
-                                             f"{sorted(set(prompts))}; the last checkpoint is kept in {self.ckpt_dir}")
+                                             f"{sorted(set(prompts))}; the last checkpoint is kept in {self.checkpointer.folder}")
                 loss.backward()
                 scale = len(rollout.times) * section.updates_per_rollout
                 stats["policy_loss"] += float(policy.mean()) / scale

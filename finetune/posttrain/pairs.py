@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..data import DatasetError, DatasetScan, Sample, SYNTHETIC_WORDS, _manifest_rows, _probe
+from ..data.dataset import SYNTHETIC_WORDS, DatasetError, DatasetScan, Sample, _manifest_rows, _probe
 
 logger = logging.getLogger("finetune")
 

@@ -13,7 +13,7 @@ import copy
 import torch
 from torch import nn
 
-from ..parallel import unwrap
+from ..engine.parallel import unwrap
 
 
 class Reference:

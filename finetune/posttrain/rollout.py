@@ -15,7 +15,7 @@ import torch
 from krea2_diffusers import sampling
 from krea2_diffusers.latents import PATCH_SIZE, PIXELS_PER_TOKEN, decode_latents, pack_latents, position_ids, unpack_latents
 
-from ..parallel import unwrap
+from ..engine.parallel import unwrap
 
 # Parameter-name prefixes of the timestep-independent text path (Krea2Transformer2DModel.prepare_conditioning).
 TEXT_PATH = ("text_fusion.", "txt_in.")

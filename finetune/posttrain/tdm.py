@@ -36,7 +36,7 @@ from krea2_diffusers.conditioning import pad_conditioning
 from krea2_diffusers.presets import DISTILLED_METADATA_KEY, STEPS_METADATA_KEY
 
 from ..methods import ADAPTER_NAME, add_lora, prepare_full_finetune
-from ..parallel import full_state_dict, unwrap
+from ..engine.parallel import full_state_dict, unwrap
 from ..trainer import NonFiniteLossError
 from .rollout import initial_noise, text_inputs, text_positions, velocity
 from .trainer import PosttrainTrainer
@@ -59,6 +59,11 @@ class StudentAndFakeScore(nn.Module):
         super().__init__()
         self.student = student
         self.fake = fake
+
+    @property
+    def config(self):
+        """The student's (what checkpoints record and exports write)."""
+        return self.student.config
 
     @property
     def transformer_blocks(self) -> list[nn.Module]:
@@ -164,11 +169,11 @@ class DistillTrainer(PosttrainTrainer):
                                   encoder_attention_mask=mask, return_dict=False)[0].float()
 
     # ---------------------------------------------------------------- one step
-    def train_step(self, step: int) -> tuple[float, float]:
+    def train_step(self, step: int, items=None) -> tuple[float, float]:
         config, runtime, section = self.config, self.runtime, self.config.distill
-        per_rank = config.training.batch_size
+        total = self.global_batch.micro_batch  # the run's, kept on resume with another number of processes
+        per_rank = total // runtime.world_size
         generator = self.generator(step)
-        total = per_rank * runtime.world_size
         order = torch.randperm(len(self.prompts), generator=generator).tolist()
         global_ids = [order[i % len(order)] for i in range(total)]
         mine = slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
@@ -218,7 +223,7 @@ class DistillTrainer(PosttrainTrainer):
         value = float(runtime.mean(loss))
         if not math.isfinite(value):
             raise NonFiniteLossError(f"distillation loss is {value} at step {step + 1} on prompts "
-                                     f"{[self.prompts[i] for i in global_ids]}; the last checkpoint is kept in {self.ckpt_dir}")
+                                     f"{[self.prompts[i] for i in global_ids]}; the last checkpoint is kept in {self.checkpointer.folder}")
         loss.backward()
         if self.lora:
             unwrap(self.model).set_adapter(ADAPTERS["student"])  # what validation and exports see
@@ -231,27 +236,19 @@ class DistillTrainer(PosttrainTrainer):
         return value, grad_norm
 
     # ---------------------------------------------------------------- export
-    def student_state(self) -> dict[str, torch.Tensor]:
-        """The student's weights (full) or adapter (LoRA), named as a plain transformer's."""
-        state = full_state_dict(self.model, self.runtime, trainable_only=self.lora)
-        if self.lora:
-            return {k: v for k, v in state.items() if f".{ADAPTERS['student']}." in k}
-        return {k[len("student."):]: v for k, v in state.items() if k.startswith("student.")}
-
     def lora_layers(self):
+        """The student adapter (validation samples with it)."""
         from krea2_diffusers.lora import lora_layers_from_diffusers_state_dict
 
-        return lora_layers_from_diffusers_state_dict(self.student_state(), self.config.lora.alpha, self.config.lora.rank)
+        state = full_state_dict(self.model, self.runtime, trainable_only=True)
+        student = {k: v for k, v in state.items() if f".{FAKE_ADAPTER}." not in k}
+        return lora_layers_from_diffusers_state_dict(student, self.config.lora.alpha, self.config.lora.rank)
 
-    def export(self, step: int):
-        """Full: ``transformer/`` and ``krea2_original.safetensors`` marked distilled in their metadata.
-        LoRA: the student adapter's files (apply them to the teacher; pass ``is_distilled=True``)."""
-        from ..export import export_full, export_lora
-
-        state = self.student_state()
-        if not self.runtime.is_main:
-            return []
+    def export_hints(self) -> dict:
+        """Full: the student part, marked distilled in the files' metadata (``transformer/`` and
+        ``krea2_original.safetensors``). LoRA: the student adapter (apply it to the teacher and
+        pass ``is_distilled=True``)."""
         if self.lora:
-            return export_lora(state, self.config, self.out, step)
-        metadata = {DISTILLED_METADATA_KEY: "true", STEPS_METADATA_KEY: str(self.config.distill.student_steps)}
-        return export_full(state, dict(unwrap(self.model).student.config), self.config, self.out, step, metadata)
+            return {"exclude_adapters": [FAKE_ADAPTER]}
+        return {"model_prefix": "student.",
+                "metadata": {DISTILLED_METADATA_KEY: "true", STEPS_METADATA_KEY: str(self.config.distill.student_steps)}}

@@ -100,7 +100,9 @@ class BucketBatches:
     def global_batch(self, index: int) -> list[int]:
         """Sample ids of global batch ``index`` (counted from the start of the run)."""
         epoch, position = divmod(index, self.batches_per_epoch)
-        return self.epoch(epoch)[position]
+        if getattr(self, "_cached", (None,))[0] != epoch:  # shuffle once per epoch, not per step
+            self._cached = (epoch, self.epoch(epoch))
+        return self._cached[1][position]
 
     def local_batch(self, index: int, rank: int, world_size: int) -> list[int]:
         batch = self.global_batch(index)

@@ -7,8 +7,8 @@ import logging
 from pathlib import Path
 
 from .buckets import fits, make_buckets, nearest_bucket
-from .config import TrainConfig
-from .data import DatasetError, make_synthetic_dataset, scan_dataset
+from ..config import TrainConfig
+from .dataset import DatasetError, make_synthetic_dataset, scan_dataset
 
 logger = logging.getLogger("finetune")
 

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from krea2_diffusers.files import save_safetensors
 
 from .buckets import Bucket, resize_to_bucket
-from .data import Sample
+from .dataset import Sample
 
 LATENT_FORMAT_VERSION = 1
 TEXT_FORMAT_VERSION = 1

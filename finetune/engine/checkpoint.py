@@ -1,0 +1,204 @@
+"""Sharded, atomic, resumable checkpoints with ``torch.distributed.checkpoint`` (DCP).
+
+A checkpoint is a folder ``<output_dir>/checkpoints/step-<N>/`` (N = the optimizer step, unpadded)::
+
+    .metadata            DCP's index: every tensor's global shape and which file holds which slice
+    __<rank>_0.distcp    one file per process: its shard of the model and optimizer state, its RNG
+    train_state.json     step, world size, LR schedule, data position, config fingerprint
+
+Every process writes only what it holds (FSDP2 shards as DTensors, keyed by parameter name via
+``get_state_dict``), so nothing is ever gathered onto one rank. Loading reshards to whatever the
+current run holds, so a checkpoint written by 2 processes resumes on 1 and vice versa.
+
+Atomicity: the folder is filled under a hidden staging name (``.step-<N>.<random>``, the project's
+:func:`~krea2_diffusers.files.atomic_write_dir`) and renamed only once every process has finished
+(and, for an async save, once the background write completed); :meth:`Checkpointer.latest` only
+sees complete ``step-<N>`` folders. Nothing here unpickles: tensors go through DCP's tensor
+storage, the run state through JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from krea2_diffusers.files import atomic_write_dir
+
+from .runtime import Runtime
+
+logger = logging.getLogger("finetune")
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+STATE_FILE = "train_state.json"
+FORMAT_VERSION = 2
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint written by another config or model; the message says what differs."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step}"
+
+
+def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints in ``folder`` as (step, path), oldest first."""
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+    return sorted(found)
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    found = list_checkpoints(folder)
+    return found[-1][1] if found else None
+
+
+def clean_staging(folder: Path) -> None:
+    """Remove staging folders a killed run left behind (hidden ``.step-*``)."""
+    if folder.is_dir():
+        for path in folder.glob(".step-*"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def read_train_state(path: Path) -> dict[str, Any]:
+    return json.loads((Path(path) / STATE_FILE).read_text())
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _options(trainable_only: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # Sharded (not full) state dicts: each rank keeps its own DTensor slices. LoRA runs skip the
+    # frozen base, which the run reloads from the model file anyway (so loading is not strict).
+    return StateDictOptions(full_state_dict=False, ignore_frozen_params=trainable_only, strict=not trainable_only)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+class Checkpointer:
+    """Save and restore model, optimizer, run state and every rank's RNG in DCP folders.
+
+    Args:
+        folder: ``<output_dir>/checkpoints``.
+        keep_last: complete checkpoints kept; older ones are deleted after a new one is published.
+        async_save: write in a background thread (DCP ``async_save``) while training continues;
+            the checkpoint is published by the next :meth:`save` or by :meth:`wait`.
+    """
+
+    def __init__(self, folder: Path, runtime: Runtime, keep_last: int, async_save: bool = False):
+        self.folder = Path(folder)
+        self.runtime = runtime
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self._pending = None  # (future, exit stack, step) of an async save not yet published
+        # DCP's collectives (plan exchange, metadata gather) run on a CPU group, so an async save's
+        # background thread never shares the NCCL stream with training.
+        self._group = dist.new_group(backend="gloo") if runtime.world_size > 1 else None
+
+    # ------------------------------------------------------------------ saving
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, *, trainable_only: bool,
+             train_state: dict[str, Any]) -> None:
+        """Every process calls this. ``train_state``: JSON-able run state (main process's is written)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        self.wait()
+        runtime = self.runtime
+        stack = contextlib.ExitStack()
+        staging = None
+        if runtime.is_main:
+            staging = stack.enter_context(atomic_write_dir(self.folder / checkpoint_name(step)))
+            state = {**train_state, "step": step, "world_size": runtime.world_size, "format": FORMAT_VERSION,
+                     "trainable_only": trainable_only}
+            (staging / STATE_FILE).write_text(json.dumps(state, indent=2))
+        staging = self._broadcast_path(staging)
+        model_state, optim_state = get_state_dict(_unwrap(model), optimizer, options=_options(trainable_only))
+        rng = {f"rank{runtime.rank}": rng_state(runtime.device)}
+        payload = {"model": model_state, "optimizer": optim_state, "rng": rng}
+        if self.async_save:
+            future = dcp.async_save(payload, checkpoint_id=str(staging), process_group=self._group)
+            self._pending = (future, stack, step)
+            return
+        dcp.save(payload, checkpoint_id=str(staging), process_group=self._group)
+        self._publish(stack, step)
+
+    def wait(self) -> None:
+        """Finish and publish a pending async save (every process calls this)."""
+        if self._pending is None:
+            return
+        future, stack, step = self._pending
+        self._pending = None
+        future.result()
+        self._publish(stack, step)
+
+    def _broadcast_path(self, path: Path | None) -> Path:
+        if self.runtime.world_size == 1:
+            return path
+        box = [str(path) if path is not None else None]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return Path(box[0])
+
+    def _publish(self, stack: contextlib.ExitStack, step: int) -> None:
+        self.runtime.barrier()  # every shard file is complete (DCP fsyncs each one)
+        if self.runtime.is_main:
+            stack.close()  # rename the staging folder to step-<N>
+            for _, old in list_checkpoints(self.folder)[:-self.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+            logger.info("checkpoint %s", self.folder / checkpoint_name(step))
+        self.runtime.barrier()
+
+    # ------------------------------------------------------------------ loading
+    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, trainable_only: bool,
+             expected: dict[str, Any]) -> dict[str, Any]:
+        """Restore ``path`` into the (already set up) model and optimizer; returns its run state.
+
+        ``expected``: run-state entries that must match (e.g. the config fingerprint, the model's
+        config); a difference raises :class:`CheckpointMismatchError` naming it. The RNG of rank r
+        is restored when the checkpoint had a rank r; with more processes than before, the extra
+        ones keep their fresh generators (nothing they draw depends on it: noise comes from the step).
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        state = read_train_state(path)
+        differences = [f"{key}: checkpoint {state.get(key)!r} vs this run {value!r}"
+                       for key, value in expected.items() if state.get(key) != value]
+        if state.get("trainable_only") != trainable_only:
+            differences.append(f"trainable_only: checkpoint {state.get('trainable_only')} vs this run {trainable_only}")
+        if differences:
+            raise CheckpointMismatchError(f"{path} was written by another config/model: " + "; ".join(differences))
+        model_state, optim_state = get_state_dict(_unwrap(model), optimizer, options=_options(trainable_only))
+        payload = {"model": model_state, "optimizer": optim_state}
+        has_rng = self.runtime.rank < state["world_size"]
+        if has_rng:
+            payload["rng"] = {f"rank{self.runtime.rank}": rng_state(self.runtime.device)}
+        dcp.load(payload, checkpoint_id=str(path), process_group=self._group)
+        set_state_dict(_unwrap(model), optimizer, model_state_dict=payload["model"],
+                       optim_state_dict=payload["optimizer"], options=_options(trainable_only))
+        if has_rng:
+            set_rng_state(payload["rng"][f"rank{self.runtime.rank}"], self.runtime.device)
+        return state
