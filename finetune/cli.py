@@ -1,4 +1,4 @@
-"""``krea2 train CONFIG.yaml [--output-dir DIR] [--resume] [key=value ...]``: LoRA or full fine-tune.
+"""``krea2 train CONFIG.yaml [--output-dir DIR] [--resume] [--dry-run] [key=value ...]``: LoRA or full fine-tune.
 
 Runs in one process, or in several under ``accelerate launch`` / ``torchrun`` (the same command
 with ``python -m finetune``).
@@ -16,15 +16,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         subparsers, "train",
         help="fine-tune RAW (LoRA or full) from a YAML config",
         description="Fine-tune Krea 2 RAW from a YAML config (see examples/train_lora_tiny.yaml).",
+        dry_run=True,
     )
 
 
-def add_config_command(subparsers, name: str, help: str, description: str) -> argparse.ArgumentParser:
-    """``NAME CONFIG.yaml [--output-dir DIR] [--resume] [key=value ...]`` (train and posttrain)."""
+def add_config_command(subparsers, name: str, help: str, description: str, dry_run: bool = False) -> argparse.ArgumentParser:
+    """``NAME CONFIG.yaml [--output-dir DIR] [--resume] [--dry-run] [key=value ...]`` (train and posttrain)."""
     parser = subparsers.add_parser(name, help=help, description=description)
     parser.add_argument("config", help="YAML training config")
     parser.add_argument("--output-dir", help="run folder (overrides output_dir in the config)")
     parser.add_argument("--resume", action="store_true", help="continue the run in the output folder from its last checkpoint")
+    if dry_run:
+        parser.add_argument("--dry-run", action="store_true",
+                            help="set the run up on the meta device and print the memory plan per process; trains nothing")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="config overrides, e.g. training.max_steps=500 optimizer.learning_rate=3e-4")
     # Let options sit between the config and the overrides (`train cfg.yaml --resume k=v`):
@@ -61,6 +65,11 @@ def run_config_command(args: argparse.Namespace, name: str, load, train_fn, stop
         overrides.append(f"output_dir={args.output_dir}")
     config = load(args.config, overrides)
     logging.getLogger("finetune").setLevel(logging.INFO)
+    if getattr(args, "dry_run", False):
+        from .dryrun import dry_run
+
+        dry_run(config)
+        return 0
     try:
         result = train_fn(config, resume=args.resume)
     except stop_errors as err:  # not a usage error: its own exit code, no traceback

@@ -88,3 +88,35 @@ def scheduler_config() -> dict:
         use_dynamic_shifting=True, time_shift_type="exponential", base_shift=BASE_SHIFT, max_shift=MAX_SHIFT,
         base_image_seq_len=BASE_IMAGE_SEQ_LEN, max_image_seq_len=MAX_IMAGE_SEQ_LEN,
     )
+
+
+def proportioned_transformer_config(num_layers: int = 12, heads: int = 8, head_dim: int = 64) -> dict:
+    """A mid-size transformer with the released model's proportions (FFN ~8/3 x width, 128-wide
+    blocks of rope axes as the loader infers them) that reads the tiny text encoder: ~180 MB in
+    float32 at the defaults. For tests and benches of memory, sharding and quantization."""
+    from .layers import rope_axes_dims
+
+    dim = heads * head_dim
+    return dict(
+        in_channels=64, num_layers=num_layers, attention_head_dim=head_dim, num_attention_heads=heads,
+        num_key_value_heads=heads, intermediate_size=8 * dim // 3 // 64 * 64, timestep_embed_dim=64,
+        text_hidden_dim=TEXT_HIDDEN, num_text_layers=12, text_num_attention_heads=2, text_num_key_value_heads=2,
+        text_intermediate_size=64, num_layerwise_text_blocks=2, num_refiner_text_blocks=2,
+        axes_dims_rope=tuple(rope_axes_dims(head_dim)),
+    )
+
+
+def save_random_original_file(path, config: dict, seed: int = 0, dtype: torch.dtype = torch.float32) -> int:
+    """Write a randomly initialised transformer of ``config`` as an original-layout single file
+    (what users download); returns its size in bytes. Built on the CPU one tensor set at a time."""
+    from .convert import convert_diffusers_to_original
+    from .files import save_safetensors
+    from .transformer import Krea2Transformer2DModel
+
+    torch.manual_seed(seed)
+    model = Krea2Transformer2DModel(**config)
+    randomize_(model, torch.Generator().manual_seed(seed))
+    state = {k: v.to(dtype) for k, v in convert_diffusers_to_original(model.state_dict()).items()}
+    del model
+    save_safetensors(state, path)
+    return sum(v.numel() * v.element_size() for v in state.values())

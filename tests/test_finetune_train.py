@@ -61,10 +61,13 @@ def lora_config(out, cache, **overrides) -> dict:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # module-scoped: set up before the function-scoped one_thread fixture
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(finetune.data.encoding, "encode_images", pooled_latents)
         trainer = Trainer(build_config(lora_config(root / "run", root / "cache")))
         result = trainer.train()
+    torch.set_num_threads(threads)
     return trainer, result
 
 
@@ -256,14 +259,19 @@ def test_full_finetune_exports_diffusers_and_original_layouts(tmp_path):
     assert any(not torch.equal(a[k], base[k]) for k in a)  # it trained
 
 
-def test_gradient_checkpointing_and_dora(tmp_path):
-    """Checkpointing recomputes activations without changing the maths; DoRA trains, exports its
+def test_gradient_checkpointing_block_swap_and_dora(tmp_path):
+    """Checkpointing and block swap change memory, not the maths; DoRA trains, exports its
     magnitudes in the diffusers file and loads back with the same effect."""
     base = {"training.max_steps": 3, "validation.prompts": [], "model.turbo_model_name_or_path": None,
             "checkpointing.every_n_steps": 0, "logging.tensorboard": False}
     plain = train(build_config(lora_config(tmp_path / "plain", tmp_path / "cache", **base)))
-    for mode in ("full", "selective"):
-        ckpt = train(build_config(lora_config(tmp_path / mode, tmp_path / "cache", **base, **{"training.activation_checkpointing": mode})))
+    variants = {"full": {"training.activation_checkpointing": "full"},
+                "selective": {"training.activation_checkpointing": "selective"},
+                # Block swap: on the CPU the copies are no-ops, the hooks and saved-tensor packing still run.
+                "offload": {"training.offload_blocks": 1},
+                "offload-full": {"training.offload_blocks": 2, "training.activation_checkpointing": "full"}}
+    for name, overrides in variants.items():
+        ckpt = train(build_config(lora_config(tmp_path / name, tmp_path / "cache", **base, **overrides)))
         torch.testing.assert_close(torch.tensor(list(ckpt.losses.values())), torch.tensor(list(plain.losses.values())), rtol=1e-5, atol=1e-6)
 
     trainer = Trainer(build_config(lora_config(tmp_path / "dora", tmp_path / "cache", **base, **{"lora.use_dora": True})))

@@ -49,7 +49,12 @@ class _Swapped:
 
     def wait(self) -> None:
         if self.ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.ready)
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(self.ready)
+            for _, _, tensor in self.tensors:
+                # Allocated on the side stream, used on this one: the allocator must not hand the
+                # memory to the next prefetch before this stream is done with it.
+                tensor.data.record_stream(current)
             self.ready = None
 
     def unload(self) -> None:
@@ -132,16 +137,18 @@ class BlockOffloader:
     def _pack(self, item: _Swapped):
         def pack(tensor: torch.Tensor):
             slot = item.storage_ids.get(tensor.untyped_storage().data_ptr()) if tensor.device == item.device else None
-            if slot is None or item.tensors[slot][2].shape != tensor.shape:
+            if slot is None:
                 return tensor
-            return (item, slot)
+            # The weight or a view of it (``linear`` saves ``weight.t()``): keep how to rebuild the
+            # view from the weight's device copy once it is back.
+            return (item, slot, tuple(tensor.shape), tensor.stride(), tensor.storage_offset())
         return pack
 
     @staticmethod
     def _unpack(packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        item, slot = packed
+        item, slot, shape, stride, offset = packed
         item.load(None)
         item.wait()
-        return item.tensors[slot][2]
+        return item.tensors[slot][2].detach().as_strided(shape, stride, offset)

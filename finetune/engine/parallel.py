@@ -25,12 +25,12 @@ ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
 
 
 def _save_policy():
-    """Selective checkpointing keeps the matmul and attention outputs (expensive to recompute)
-    and recomputes the cheap element-wise work (norms, modulation, activations) in backward."""
+    """Selective checkpointing keeps the attention outputs (the O(S^2) work, costliest to redo)
+    and recomputes the projections and element-wise work (norms, modulation, activations)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     aten = torch.ops.aten
-    save = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default}
+    save = set()
     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
         if hasattr(aten, name):
@@ -44,7 +44,7 @@ def _save_policy():
 
 def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str) -> None:
     """Checkpoint each block's forward (``full``: keep only its input; ``selective``: also keep
-    matmul/attention outputs). The block's own ``forward`` is replaced on the instance, so
+    the attention outputs). The block's own ``forward`` is replaced on the instance, so
     parameter names (checkpoint keys, LoRA targets) do not change."""
     if mode not in ACTIVATION_CHECKPOINTING:
         raise ValueError(f"activation checkpointing must be one of {ACTIVATION_CHECKPOINTING}, got {mode!r}")

@@ -18,6 +18,7 @@ COMMANDS = {
     "expand": "krea2_diffusers.cli.expand",
     "train": "finetune.cli",
     "posttrain": "finetune.posttrain.cli",
+    "export": "finetune.export_cli",
 }
 
 

@@ -1,0 +1,138 @@
+"""``krea2 train CONFIG --dry-run``: set the run up on the meta device and print the memory plan
+of one process (see :mod:`finetune.engine.plan`). Reads no weights, trains nothing, and writes
+nothing in the output directory but ``dry-run.log``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from krea2_diffusers import Krea2Transformer2DModel
+from krea2_diffusers.files import atomic_write
+
+from .config import TrainConfig
+from .data.buckets import make_buckets
+from .engine.plan import (OPTIMIZER_STATE_BYTES, RUNTIME_OVERHEAD, MemoryPlan, activation_bytes, measure_activations,
+                          quantized_linear_bytes, tensor_bytes)
+from .methods import add_lora, quantize_base
+
+LOG_NAME = "dry-run.log"
+PATCH = 16  # pixels per image token: VAE 8 x patch 2
+
+
+def _meta_inputs(config: TrainConfig, transformer_config: dict, dtype: torch.dtype) -> tuple[dict, tuple[int, int]]:
+    data = config.data
+    width, height = max(make_buckets(data.resolution, data.bucket_step, data.min_aspect_ratio, data.max_aspect_ratio),
+                        key=lambda b: b[0] * b[1])
+    batch, text = config.training.batch_size, config.model.max_sequence_length
+    tokens = (width // PATCH) * (height // PATCH)
+    with torch.device("meta"):
+        inputs = dict(
+            hidden_states=torch.empty(batch, tokens, transformer_config.get("in_channels", 64), dtype=dtype),
+            encoder_hidden_states=torch.empty(batch, text, transformer_config.get("num_text_layers", 12),
+                                              transformer_config.get("text_hidden_dim", 2560), dtype=dtype),
+            timestep=torch.empty(batch),
+            position_ids=torch.zeros(text + tokens, 3),
+            return_dict=False,
+        )
+    return inputs, (width, height)
+
+
+def _frozen_bytes(model: nn.Module, quantize: str) -> int:
+    """Resident bytes of the frozen tensors; bitsandbytes layers by their packed size."""
+    from krea2_diffusers.bnb import TRANSFORMER_KEEP, _skipper
+
+    total = tensor_bytes(t for t in model.buffers())
+    skip = _skipper(TRANSFORMER_KEEP)
+    counted: set[int] = set()
+    if quantize in ("int8", "nf4"):
+        for name, module in model.named_modules():
+            if type(module) is nn.Linear and not skip(name) and not module.weight.requires_grad:
+                total += quantized_linear_bytes(module, quantize)
+                counted.update(id(p) for p in module.parameters())
+    return total + tensor_bytes(p for p in model.parameters() if not p.requires_grad and id(p) not in counted)
+
+
+def build_plan(config: TrainConfig, world_size: int) -> tuple[MemoryPlan, str]:
+    """The plan for one process of a ``world_size``-process run, and a one-line description of the setup."""
+    from .model import DTYPES, transformer_weights
+
+    transformer_config, source = transformer_weights(config.model)
+    source.close()
+    training = config.training
+    lora = training.method == "lora"
+    stored = DTYPES[config.model.dtype]
+    compute = torch.bfloat16 if (training.mixed_precision == "bf16" or stored != torch.float32) else torch.float32
+    with torch.device("meta"):
+        model = Krea2Transformer2DModel(**transformer_config)
+    plan = MemoryPlan()
+    blocks = list(model.transformer_blocks)
+    if lora:
+        model.to(stored)
+        if config.model.quantize == "fp8":
+            quantize_base(model, "fp8", compute)
+        with torch.device("meta"):
+            add_lora(model, config.lora)
+        offloaded = blocks[len(blocks) - training.offload_blocks:] if training.offload_blocks else []
+        frozen = _frozen_bytes(model, config.model.quantize)
+        if offloaded:
+            per_block = max(_frozen_bytes(b, config.model.quantize) for b in offloaded)
+            frozen -= sum(_frozen_bytes(b, config.model.quantize) for b in offloaded)
+            frozen += 2 * per_block  # one block computing, the next one arriving
+            plan.notes.append(f"{len(offloaded)} blocks' frozen weights live in pinned CPU memory "
+                              f"({len(offloaded) * per_block / 2**30:.2f} GiB of host RAM)")
+        trainable = tensor_bytes(p for p in model.parameters() if p.requires_grad)
+        count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        base = f"{config.model.quantize} " if config.model.quantize != "none" else f"{config.model.dtype} "
+        plan.add(f"frozen base ({base.strip()}, full-precision layers kept)", frozen)
+        plan.add(f"LoRA r{config.lora.rank} weights (fp32, {count / 1e6:.1f}M)", trainable)
+        plan.add("LoRA gradients (fp32)", trainable)
+        plan.add(f"optimizer state ({config.optimizer.name})", count * OPTIMIZER_STATE_BYTES[config.optimizer.name])
+        what = f"LoRA r{config.lora.rank} on a {base}base"
+    else:
+        model.float()
+        shards = world_size if world_size > 1 else 1
+        count = sum(p.numel() for p in model.parameters())
+        plan.add(f"fp32 master weights (1/{shards} shard)", 4 * count / shards)
+        plan.add("fp32 gradients (shard)", 4 * count / shards)
+        plan.add(f"optimizer state ({config.optimizer.name}, shard)", count * OPTIMIZER_STATE_BYTES[config.optimizer.name] / shards)
+        if shards > 1:
+            block = max(sum(p.numel() for p in b.parameters()) for b in blocks)
+            # FSDP2: the block computing and the next one prefetched, gathered in the compute dtype,
+            # plus the unsharded gradients of one block before its reduce-scatter.
+            plan.add("gathered blocks in flight (2) + one block's full gradients", block * (2 * compute.itemsize + 4))
+        what = f"full fine-tune of {count / 1e9:.2f}B parameters over {shards} process(es)"
+    inputs, bucket = _meta_inputs(config, transformer_config, compute)
+    model.to(compute)
+    for p in model.parameters():
+        if not lora:
+            p.requires_grad_(True)
+    measured = measure_activations(model, inputs, blocks)
+    mode = training.activation_checkpointing
+    plan.add(f"activations ({bucket[0]}x{bucket[1]} px, batch {training.batch_size}, checkpointing {mode})",
+             activation_bytes(measured, mode))
+    plan.add("CUDA context, workspaces, fragmentation", RUNTIME_OVERHEAD)
+    plan.notes.append("text encoder and VAE are off the GPU while training (features are cached first)")
+    return plan, what
+
+
+def dry_run(config: TrainConfig) -> str:
+    """Print and log the plan; returns the text. Nothing but ``dry-run.log`` is written."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    plan, what = build_plan(config, world_size)
+    available, name = None, "cpu (no GPU detected)"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        available, name = props.total_memory, props.name
+    text = f"dry run: {what}, {world_size} process(es)\n" + plan.render(name, available)
+    if rank == 0:
+        print(text)
+        out = Path(config.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        with atomic_write(out / LOG_NAME, "w") as handle:
+            handle.write(text + "\n")
+    return text
