@@ -12,16 +12,23 @@ import sys
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "train",
+    return add_config_command(
+        subparsers, "train",
         help="fine-tune RAW (LoRA or full) from a YAML config",
         description="Fine-tune Krea 2 RAW from a YAML config (see examples/train_lora_tiny.yaml).",
+        dry_run=True,
     )
+
+
+def add_config_command(subparsers, name: str, help: str, description: str, dry_run: bool = False) -> argparse.ArgumentParser:
+    """``NAME CONFIG.yaml [--output-dir DIR] [--resume] [--dry-run] [key=value ...]`` (train and posttrain)."""
+    parser = subparsers.add_parser(name, help=help, description=description)
     parser.add_argument("config", help="YAML training config")
     parser.add_argument("--output-dir", help="run folder (overrides output_dir in the config)")
     parser.add_argument("--resume", action="store_true", help="continue the run in the output folder from its last checkpoint")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="set the run up on the meta device and print the memory plan per process; trains nothing")
+    if dry_run:
+        parser.add_argument("--dry-run", action="store_true",
+                            help="set the run up on the meta device and print the memory plan per process; trains nothing")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="config overrides, e.g. training.max_steps=500 optimizer.learning_rate=3e-4")
     return allow_intermixed(parser)
@@ -51,10 +58,16 @@ def run(args: argparse.Namespace) -> int:
     from .config import load_config
     from .trainer import NonFiniteLossError, train
 
+    return run_config_command(args, "train", load_config, train, (NonFiniteLossError,))
+
+
+def run_config_command(args: argparse.Namespace, name: str, load, train_fn, stop_errors: tuple) -> int:
+    """Load the config (with overrides), train, report; ``stop_errors`` end the run with exit code 3
+    (a problem found while training, the last checkpoint kept) instead of a traceback."""
     overrides = list(args.overrides)
     if args.output_dir:
         overrides.append(f"output_dir={args.output_dir}")
-    config = load_config(args.config, overrides)
+    config = load(args.config, overrides)
     logging.getLogger("finetune").setLevel(logging.INFO)
     if getattr(args, "dry_run", False):
         from .dryrun import dry_run
@@ -62,9 +75,9 @@ def run(args: argparse.Namespace) -> int:
         dry_run(config)
         return 0
     try:
-        result = train(config, resume=args.resume)
-    except NonFiniteLossError as err:  # not a usage error: its own exit code, no traceback
-        print(f"krea2 train: {err}", file=sys.stderr)
+        result = train_fn(config, resume=args.resume)
+    except stop_errors as err:  # not a usage error: its own exit code, no traceback
+        print(f"krea2 {name}: {err}", file=sys.stderr)
         return 3
     if result.interrupted:
         print(f"stopped at step {result.final_step}; continue with --resume", file=sys.stderr)
@@ -74,20 +87,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def main(argv=None, add=None, run_command=None, prog: str = "python -m finetune") -> int:
     """Standalone entry point (``python -m finetune``), for launchers that start a module."""
-    parser = argparse.ArgumentParser(prog="python -m finetune")
+    parser = argparse.ArgumentParser(prog=prog)
     sub = parser.add_subparsers(dest="command")
-    train_parser = add_parser(sub)
-    train_parser.prog = "python -m finetune"
-    args = train_parser.parse_args(argv)
+    command_parser = (add or add_parser)(sub)
+    command_parser.prog = prog
+    args = command_parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from .config import ConfigError
     from .data import DatasetError
     from .trainer import RunDirectoryError
 
     try:
-        return run(args)
+        return (run_command or run)(args)
     except (ConfigError, DatasetError, RunDirectoryError) as err:
-        print(f"krea2 train: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 import yaml
 
@@ -202,6 +202,9 @@ class TrainConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
+    # Post-training methods bring their own data (pairs, prompts) and leave ``data`` unset.
+    requires_data: ClassVar[bool] = True
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -226,7 +229,7 @@ class TrainConfig:
             raise ConfigError(f"data.caption_dropout must be in [0, 1), got {self.data.caption_dropout}")
         if not 0 < self.data.min_aspect_ratio <= 1.0 <= self.data.max_aspect_ratio:
             raise ConfigError("data.min_aspect_ratio <= 1 <= data.max_aspect_ratio must hold")
-        if self.data.path is None and self.data.synthetic is None:
+        if self.requires_data and self.data.path is None and self.data.synthetic is None:
             raise ConfigError("data.path is required (or data.synthetic for a self-made dataset)")
         if self.training.method == "full" and self.model.quantize != "none":
             raise ConfigError(f"model.quantize={self.model.quantize!r} needs training.method=lora (a full fine-tune trains every weight)")
@@ -279,6 +282,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             more = f"; did you mean {hint[0]!r}?" if hint else ""
             raise ConfigError(f"{where}: {value!r} is not one of {list(args)}{more}")
         return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return {_coerce(k, args[0], where): _coerce(v, args[1], f"{where}.{k}") for k, v in value.items()}
     if origin is list:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
@@ -348,8 +355,9 @@ def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def build_config(raw: dict[str, Any], overrides: list[str] = ()) -> TrainConfig:
-    """Parse a raw mapping (from YAML) plus ``key=value`` overrides into a validated config."""
+def build_config(raw: dict[str, Any], overrides: list[str] = (), cls: type = TrainConfig) -> TrainConfig:
+    """Parse a raw mapping (from YAML) plus ``key=value`` overrides into a validated config
+    (``cls``: :class:`TrainConfig` or a subclass, e.g. the post-training config)."""
     from .recipes import recipe_defaults
 
     raw = copy.deepcopy(raw or {})
@@ -363,12 +371,12 @@ def build_config(raw: dict[str, Any], overrides: list[str] = ()) -> TrainConfig:
         node[path[-1]] = value
     if raw.get("recipe"):
         raw = _deep_merge(recipe_defaults(raw["recipe"]), raw)
-    config = _from_dict(TrainConfig, raw)
+    config = _from_dict(cls, raw)
     config.validate()
     return config
 
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> TrainConfig:
+def load_config(path: str | Path, overrides: list[str] = (), cls: type = TrainConfig) -> TrainConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} not found")
@@ -376,4 +384,4 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> TrainConfig:
         raw = yaml.safe_load(f) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
-    return build_config(raw, overrides)
+    return build_config(raw, overrides, cls)

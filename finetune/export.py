@@ -35,35 +35,38 @@ MODEL_PREFIX = "model."
 GROUP_BYTES = 1 << 30
 
 
-def model_tensors(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """Model tensors of a DCP checkpoint (by parameter name) with their dtype and global shape."""
+def model_tensors(path: Path, prefix: str = "") -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Model tensors of a DCP checkpoint (by parameter name) with their dtype and global shape;
+    ``prefix``: only the names under it (e.g. a distillation's ``student.``), without it."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = FileSystemReader(str(path)).read_metadata()
     out = {}
     for key, entry in metadata.state_dict_metadata.items():
-        if key.startswith(MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata):
-            out[key[len(MODEL_PREFIX):]] = (entry.properties.dtype, tuple(entry.size))
+        if key.startswith(MODEL_PREFIX + prefix) and isinstance(entry, TensorStorageMetadata):
+            out[key[len(MODEL_PREFIX + prefix):]] = (entry.properties.dtype, tuple(entry.size))
     return out
 
 
-def read_model_tensors(path: Path, names: list[str], shapes: dict) -> dict[str, torch.Tensor]:
-    """Read whole tensors ``names`` from a DCP checkpoint in this process alone (any writer world size)."""
+def read_model_tensors(path: Path, names: list[str], shapes: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Read whole tensors ``names`` (under ``prefix``) from a DCP checkpoint in this process alone
+    (any writer world size)."""
     import torch.distributed.checkpoint as dcp
 
-    state = {"model": {n: torch.empty(shapes[n][1], dtype=shapes[n][0]) for n in names}}
+    state = {"model": {prefix + n: torch.empty(shapes[n][1], dtype=shapes[n][0]) for n in names}}
     dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    return state["model"]
+    return {n[len(prefix):]: v for n, v in state["model"].items()}
 
 
-def _groups(path: Path, names: list[str], shapes: dict, dtype: torch.dtype | None) -> Iterator[dict[str, torch.Tensor]]:
+def _groups(path: Path, names: list[str], shapes: dict, dtype: torch.dtype | None,
+            prefix: str = "") -> Iterator[dict[str, torch.Tensor]]:
     group, size = [], 0
     for name in names:
         group.append(name)
         size += shapes[name][0].itemsize * int(torch.Size(shapes[name][1]).numel())
         if size >= GROUP_BYTES or name == names[-1]:
-            tensors = read_model_tensors(path, group, shapes)
+            tensors = read_model_tensors(path, group, shapes, prefix)
             yield {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in tensors.items()}
             group, size = [], 0
 
@@ -71,8 +74,11 @@ def _groups(path: Path, names: list[str], shapes: dict, dtype: torch.dtype | Non
 def export_lora(path: Path, out_dir: Path, state: dict, formats: list[str], trigger_words: list[str]) -> list[Path]:
     """LoRA files from a LoRA run's checkpoint (its model part holds only the adapters)."""
     shapes = model_tensors(path)
-    # The model part holds the adapters, plus small frozen buffers (e.g. fp8 row scales).
-    trainable = read_model_tensors(path, sorted(n for n in shapes if ".lora_" in n), shapes)
+    # The model part holds the adapters, plus small frozen buffers (e.g. fp8 row scales); a
+    # distillation's fake-score adapter is excluded by the run's export hints.
+    excluded = [f".{name}." for name in state.get("export", {}).get("exclude_adapters", [])]
+    names = [n for n in shapes if ".lora_" in n and not any(e in n for e in excluded)]
+    trainable = read_model_tensors(path, sorted(names), shapes)
     lora = state["lora"]
     layers = lora_layers_from_diffusers_state_dict(trainable, alpha=lora["alpha"], rank=lora["rank"])
     written = []
@@ -91,9 +97,12 @@ def export_lora(path: Path, out_dir: Path, state: dict, formats: list[str], trig
 
 def export_full(path: Path, out_dir: Path, state: dict, formats: list[str], dtype: torch.dtype | None = None) -> list[Path]:
     """``transformer/`` (diffusers folder) and/or ``krea2_original.safetensors``, streamed."""
-    shapes = model_tensors(path)
+    hints = state.get("export", {})
+    prefix = hints.get("model_prefix", "")
+    shapes = model_tensors(path, prefix)
     names = sorted(shapes)
-    meta = {"format": "pt", "krea2.base_model": state["base_model"], "krea2.steps": str(state["step"])}
+    meta = {"format": "pt", "krea2.base_model": state["base_model"], "krea2.steps": str(state["step"]),
+            **hints.get("metadata", {})}
 
     def entries(rename=lambda n: n, reshape=lambda n, s: s):
         return [(rename(n), dtype if dtype is not None and shapes[n][0].is_floating_point else shapes[n][0],
@@ -103,7 +112,7 @@ def export_full(path: Path, out_dir: Path, state: dict, formats: list[str], dtyp
     if "diffusers" in formats:
         folder = out_dir / "transformer"
         write_safetensors_streaming(folder / "diffusion_pytorch_model.safetensors", entries(),
-                                    _groups(path, names, shapes, dtype), metadata=meta)
+                                    _groups(path, names, shapes, dtype, prefix), metadata=meta)
         config = {**state["transformer_config"], "_class_name": "Krea2Transformer2DModel"}
         with atomic_write(folder / "config.json", "w") as handle:
             handle.write(json.dumps(config, indent=2))
@@ -114,7 +123,7 @@ def export_full(path: Path, out_dir: Path, state: dict, formats: list[str], dtyp
             return (shape[0] * shape[1],) if modulation else shape
 
         chunks = ({diffusers_module_to_original(k): v.reshape(flat(k, tuple(v.shape))) for k, v in chunk.items()}
-                  for chunk in _groups(path, names, shapes, dtype))
+                  for chunk in _groups(path, names, shapes, dtype, prefix))
         target = out_dir / ORIGINAL_FILE_NAME
         write_safetensors_streaming(target, entries(diffusers_module_to_original, flat), chunks, metadata=meta)
         written.append(target)

@@ -33,8 +33,9 @@ def lora_target_names(transformer: nn.Module, config: LoRAConfig) -> list[str]:
     return names
 
 
-def add_lora(transformer: nn.Module, config: LoRAConfig) -> list[nn.Parameter]:
-    """Freeze the transformer and attach one PEFT LoRA adapter; returns the trainable parameters.
+def add_lora(transformer: nn.Module, config: LoRAConfig, adapter_names: tuple[str, ...] = (ADAPTER_NAME,)) -> list[nn.Parameter]:
+    """Freeze the transformer and attach a PEFT LoRA adapter (one per name, same settings: LoRA
+    distillation trains a second, the fake score); returns the trainable parameters.
 
     Adapter weights are kept in float32 even when the base is bf16: they are the only thing being
     updated and low-precision updates of small values stall.
@@ -50,7 +51,8 @@ def add_lora(transformer: nn.Module, config: LoRAConfig) -> list[nn.Parameter]:
         use_dora=config.use_dora,
         init_lora_weights=True,  # A ~ Kaiming, B = 0: training starts exactly at the base model
     )
-    transformer.add_adapter(lora_config, adapter_name=ADAPTER_NAME)
+    for name in adapter_names:
+        transformer.add_adapter(lora_config, adapter_name=name)
     params = [p for n, p in transformer.named_parameters() if "lora_" in n]
     for param in params:
         param.data = param.data.float()

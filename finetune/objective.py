@@ -54,13 +54,18 @@ def loss_weights(t: torch.Tensor, weighting: str) -> torch.Tensor:
     raise ValueError(f"unknown loss weighting {weighting!r}")
 
 
+def flow_matching_losses(
+    model_pred: torch.Tensor, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, weighting: str = "none"
+) -> torch.Tensor:
+    """(B,) weighted per-sample MSE between the predicted velocity and ``noise - latents``; all
+    (B, N, C), t (B,). Computed in float32 whatever the autocast dtype."""
+    target = noise.float() - latents.float()
+    per_sample = (model_pred.float() - target).pow(2).flatten(1).mean(1)
+    return loss_weights(t.float(), weighting) * per_sample
+
+
 def flow_matching_loss(
     model_pred: torch.Tensor, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, weighting: str = "none"
 ) -> torch.Tensor:
-    """Weighted MSE between the predicted velocity and ``noise - latents``; all (B, N, C), t (B,).
-
-    Computed in float32 whatever the autocast dtype, then averaged over everything.
-    """
-    target = noise.float() - latents.float()
-    per_sample = (model_pred.float() - target).pow(2).flatten(1).mean(1)
-    return (loss_weights(t.float(), weighting) * per_sample).mean()
+    """The batch mean of :func:`flow_matching_losses`."""
+    return flow_matching_losses(model_pred, latents, noise, t, weighting).mean()

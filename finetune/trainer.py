@@ -83,6 +83,8 @@ class Trainer:
         self.runtime = setup_runtime(config)
         self.out = Path(config.output_dir)
         self.lora = config.training.method == "lora"
+        # Further scalars of the last step for metrics.jsonl (post-training's rewards, margins ...).
+        self.extra_metrics: dict[str, float] = {}
 
     # ---------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -92,15 +94,7 @@ class Trainer:
         self.global_batch = self._global_batch()
         self.layout = step_layout(self.global_batch, runtime.rank, runtime.world_size)
         runtime.barrier()
-        self.checkpointer = ckpt.Checkpointer(self.out / "checkpoints", runtime, config.checkpointing.keep_last,
-                                              config.checkpointing.async_save)
-        if runtime.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            if not (self.out / "run.json").exists():
-                run = {"fingerprint": config_fingerprint(config), "config": config.to_dict(),
-                       "world_size": runtime.world_size, "global_batch": self.global_batch.to_dict()}
-                (self.out / "run.json").write_text(json.dumps(run, indent=2))
-            ckpt.clean_staging(self.checkpointer.folder)
+        self.record_run()
 
         from .model import build_sharded_transformer, load_pipeline, release_encoders
 
@@ -124,6 +118,20 @@ class Trainer:
             logger.info("training %d parameters on %d samples, %d process(es), strategy %s, %d forward(s) of %d per step",
                         trainable_parameter_count(unwrap(self.model)), len(self.samples), runtime.world_size,
                         runtime.strategy, len(self.layout), self.layout[0].stop - self.layout[0].start)
+
+    def record_run(self) -> None:
+        """The checkpointer; on the main process the run folder, ``run.json`` (first start) and no
+        stale staging folders."""
+        config, runtime = self.config, self.runtime
+        self.checkpointer = ckpt.Checkpointer(self.out / "checkpoints", runtime, config.checkpointing.keep_last,
+                                              config.checkpointing.async_save)
+        if runtime.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            if not (self.out / "run.json").exists():
+                run = {"fingerprint": config_fingerprint(config), "config": config.to_dict(),
+                       "world_size": runtime.world_size, "global_batch": self.global_batch.to_dict()}
+                (self.out / "run.json").write_text(json.dumps(run, indent=2))
+            ckpt.clean_staging(self.checkpointer.folder)
 
     def _global_batch(self) -> GlobalBatch:
         """Fixed at the run's start; a resumed run (on any number of processes) keeps it."""
@@ -221,8 +229,14 @@ class Trainer:
                  "transformer_config": _json_roundtrip({k: v for k, v in dict(unwrap(self.model).config).items()
                                                         if not k.startswith("_")}),
                  "base_model": self.config.export.base_model or self.config.model.pretrained_model_name_or_path,
-                 "lora": _json_roundtrip(vars(self.config.lora)) if self.lora else None}
+                 "lora": _json_roundtrip(vars(self.config.lora)) if self.lora else None,
+                 "export": self.export_hints()}
         self.checkpointer.save(step, self.model, self.optimizer, trainable_only=self.lora, train_state=state)
+
+    def export_hints(self) -> dict:
+        """What the export takes from the checkpoint: ``model_prefix`` (the part of the model that
+        is the exported transformer), ``exclude_adapters``, extra file ``metadata``."""
+        return {}
 
     def export(self, step: int) -> list[Path]:
         """Written from the final DCP checkpoint by the main process, streaming tensor by tensor."""
@@ -283,7 +297,7 @@ class Trainer:
                     loss, grad_norm = self.train_step(step, items)
                     step += 1
                     result.losses[step] = loss
-                    metrics.log(step, loss, self.lr_scheduler.get_last_lr()[0], grad_norm)
+                    metrics.log(step, loss, self.lr_scheduler.get_last_lr()[0], grad_norm, self.extra_metrics)
                     stopping = runtime.any(stop.requested)
                     if stopping or (every > 0 and step % every == 0) or step == config.training.max_steps:
                         self.save(step)

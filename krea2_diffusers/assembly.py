@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from .files import CheckpointError
-from .presets import looks_distilled
+from .presets import distillation_from_metadata, looks_distilled
 from .tiny import is_tiny, tiny_components
 from .transformer import Krea2Transformer2DModel
 
@@ -92,6 +92,23 @@ def _components(text_encoder, vae, tokenizer, torch_dtype, text_encoder_config, 
     return dict(text_encoder=te, tokenizer=tok, vae=ae)
 
 
+def recorded_distillation(path) -> tuple[bool | None, int | None]:
+    """What a transformer file (or a diffusers folder's ``transformer/``) says about itself:
+    (is_distilled, step count) from its safetensors metadata, or (None, None)."""
+    from .files import read_safetensors_header
+
+    path = Path(path)
+    if path.is_dir():
+        files = sorted((path / "transformer").glob("*.safetensors")) or sorted(path.glob("*.safetensors"))
+        path = files[0] if files else path
+    if path.suffix != ".safetensors" or not path.is_file():
+        return None, None
+    try:
+        return distillation_from_metadata(read_safetensors_header(path)[1])
+    except CheckpointError:
+        return None, None
+
+
 def assemble_from_single_file(cls, path, *, text_encoder, vae, tokenizer=None, torch_dtype=None, is_distilled=None,
                               text_encoder_config=None, upcast_fp8=False, transformer=LOAD, **load_kwargs):
     """See :meth:`Krea2Pipeline.from_single_file`. ``text_encoder``/``vae`` may be ``"tiny-random"`` (tests)."""
@@ -103,9 +120,11 @@ def assemble_from_single_file(cls, path, *, text_encoder, vae, tokenizer=None, t
         transformer = Krea2Transformer2DModel.from_single_file(path, torch_dtype=torch_dtype, upcast_fp8=upcast_fp8)
     parts = _components(text_encoder, vae, tokenizer, torch_dtype, text_encoder_config, upcast_fp8, load_kwargs)
     check_text_width(transformer, parts["text_encoder"], text_encoder)
-    distilled = looks_distilled(Path(path).name) if is_distilled is None else bool(is_distilled)
+    recorded, steps = recorded_distillation(path)
+    if is_distilled is None:
+        is_distilled = recorded if recorded is not None else looks_distilled(Path(path).name)
     return cls(scheduler=FlowMatchEulerDiscreteScheduler(**scheduler_config()), transformer=transformer,
-               is_distilled=distilled, **parts)
+               is_distilled=bool(is_distilled), distilled_steps=steps if is_distilled else None, **parts)
 
 
 def load_pipeline(cls, model: str, *, text_encoder=None, vae=None, torch_dtype=None, is_distilled=None, device=None,

@@ -52,13 +52,14 @@ class Krea2Pipeline(DiffusionPipeline):
         transformer: :class:`Krea2Transformer2DModel`.
         text_encoder_select_layers: tapped ``hidden_states`` indices (default: the released 12).
         is_distilled: True for Turbo (fixed shift, 8 steps, no CFG by default).
+        distilled_steps: a distilled model's own default step count (e.g. 4 for a 4-step student).
     """
 
     model_cpu_offload_seq = "text_encoder->transformer->vae"
     _callback_tensor_inputs = ["latents", "prompt_embeds"]
 
     def __init__(self, scheduler, vae, text_encoder, tokenizer, transformer, text_encoder_select_layers=None,
-                 is_distilled: bool = False, patch_size: int = PATCH_SIZE):
+                 is_distilled: bool = False, patch_size: int = PATCH_SIZE, distilled_steps: int | None = None):
         super().__init__()
         if patch_size != PATCH_SIZE:
             raise ValueError(f"Krea 2 uses patch_size={PATCH_SIZE}, got {patch_size}")
@@ -69,7 +70,8 @@ class Krea2Pipeline(DiffusionPipeline):
         expected = getattr(getattr(transformer, "config", None), "num_text_layers", len(layers))
         if len(layers) != expected:
             raise ValueError(f"text_encoder_select_layers has {len(layers)} entries; the transformer reads {expected} layers")
-        self.register_to_config(text_encoder_select_layers=layers, is_distilled=bool(is_distilled), patch_size=patch_size)
+        self.register_to_config(text_encoder_select_layers=layers, is_distilled=bool(is_distilled), patch_size=patch_size,
+                                distilled_steps=distilled_steps)
         self.label = None  # e.g. the tiny-random warning, shown by the CLI and the UIs
         # CFG runs both branches in one batch; set False to halve peak activation memory.
         self.batch_cfg = True
@@ -92,7 +94,14 @@ class Krea2Pipeline(DiffusionPipeline):
             sub = {k: kwargs[k] for k in ("torch_dtype", "cache_dir", "local_files_only", "revision", "token") if k in kwargs}
             kwargs["transformer"] = Krea2Transformer2DModel.from_pretrained(pretrained_model_name_or_path, subfolder="transformer", **sub)
         pipe = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
-        if is_distilled is not None:
+        if is_distilled is None:
+            from .assembly import recorded_distillation
+
+            # A distilled export says so in its own file, whatever the folder is called.
+            recorded, steps = recorded_distillation(pretrained_model_name_or_path)
+            if recorded is not None:
+                pipe.register_to_config(is_distilled=recorded, distilled_steps=steps if recorded else None)
+        else:
             pipe.register_to_config(is_distilled=bool(is_distilled))
         return pipe
 
@@ -138,7 +147,7 @@ class Krea2Pipeline(DiffusionPipeline):
 
     @property
     def preset(self):
-        return preset_for(self.is_distilled)
+        return preset_for(self.is_distilled, getattr(self.config, "distilled_steps", None))
 
     # ------------------------------------------------------------------ text
     def encode_prompt(self, prompt, device=None, num_images_per_prompt: int = 1, prompt_embeds=None,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,26 @@ MEMORY_PRESETS = ("auto", "high", "24gb", "16gb", "12gb", "8gb")
 DISTILLED_NAME_MARKERS = ("turbo", "tdm", "distill")
 
 
-def preset_for(is_distilled: bool) -> SamplerPreset:
+# Keys a distilled export records in its safetensors header, so it is recognised whatever its name.
+DISTILLED_METADATA_KEY = "krea2.is_distilled"
+STEPS_METADATA_KEY = "krea2.num_inference_steps"
+
+
+def preset_for(is_distilled: bool, distilled_steps: int | None = None) -> SamplerPreset:
+    """RAW's or Turbo's defaults; a distilled model with its own step count (e.g. a 4-step
+    student) gets Turbo's defaults at that count."""
+    if is_distilled and distilled_steps:
+        return replace(TURBO, num_inference_steps=int(distilled_steps))
     return TURBO if is_distilled else RAW
+
+
+def distillation_from_metadata(metadata: dict[str, str]) -> tuple[bool | None, int | None]:
+    """(is_distilled, step count) recorded in a file's metadata; (None, None) when it says nothing."""
+    flag = str(metadata.get(DISTILLED_METADATA_KEY, "")).lower()
+    if flag not in ("true", "false"):
+        return None, None
+    steps = metadata.get(STEPS_METADATA_KEY)
+    return flag == "true", int(steps) if steps and str(steps).isdigit() else None
 
 
 def looks_distilled(name: str) -> bool:

@@ -1,4 +1,5 @@
-"""Flow-matching Euler sampler pieces, per the released model's schedule.
+"""Flow-matching sampler pieces, per the released model's schedule: the Euler step of the flow
+ODE, and an SDE step with the same marginals (for RL exploration, with its Gaussian log-density).
 
 Convention: ``x_t = (1 - t) x0 + t noise``, the model predicts ``v = noise - x0``, t runs 1 -> 0.
 Guidance uses Krea's convention ``v = v_cond + g (v_cond - v_uncond)``: g = 0 is off, and g
@@ -65,6 +66,49 @@ def euler_step(latents: torch.Tensor, velocity: torch.Tensor, t: float, t_next: 
     """One Euler step of the flow ODE, accumulated in float32 at least."""
     dtype = torch.promote_types(latents.dtype, torch.float32)
     return (latents.to(dtype) + (t_next - t) * velocity.to(dtype)).to(latents.dtype)
+
+
+def sde_step(
+    latents: torch.Tensor, velocity: torch.Tensor, t: float, t_next: float, noise_level: float,
+    noise: torch.Tensor | None = None, generator: torch.Generator | None = None, t_cap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One step of the reverse SDE whose marginals equal the Euler ODE's (Flow-GRPO's sampler).
+
+    With ``x_t = (1 - t) x0 + t eps`` the score is ``-(x + (1 - t) v) / t``; the reverse-time SDE
+    ``dx = [v + s_t^2 / (2t) (x + (1 - t) v)] dt + s_t dW`` (dt < 0) keeps every marginal for any
+    diffusion ``s_t = noise_level * sqrt(t / (1 - t))``. ``noise_level = 0`` is exactly
+    :func:`euler_step`.
+
+    Args:
+        latents, velocity: (B, N, C) at time t.
+        t, t_next: current and next time, ``t > t_next >= 0``.
+        noise: optional (B, N, C) standard normal draw (else from ``generator``).
+        t_cap: ``s_t`` is evaluated at ``min(t, t_cap)``: it diverges at t = 1, the first step.
+
+    Returns:
+        (next latents, the step's mean, the step's standard deviation ``s_t sqrt(t - t_next)``);
+        latents and mean in float32 at least.
+    """
+    dtype = torch.promote_types(latents.dtype, torch.float32)
+    x, v = latents.to(dtype), velocity.to(dtype)
+    dt = t_next - t
+    t_std = min(t, t_cap) if t_cap is not None else t
+    diffusion = noise_level * math.sqrt(t_std / (1.0 - t_std)) if t_std < 1.0 else 0.0
+    mean = x + v * dt + (diffusion**2 / (2.0 * t)) * (x + (1.0 - t) * v) * dt
+    std = diffusion * math.sqrt(-dt)
+    if std == 0.0:
+        return mean, mean, 0.0
+    if noise is None:
+        noise = torch.randn(x.shape, generator=generator, dtype=dtype, device="cpu" if generator is None else generator.device)
+    return mean + std * noise.to(device=x.device, dtype=dtype), mean, std
+
+
+def gaussian_log_prob(sample: torch.Tensor, mean: torch.Tensor, std: float) -> torch.Tensor:
+    """(B,) log-density of ``sample`` under N(mean, std^2 I), averaged over the (N, C) elements
+    (a per-element mean keeps ratios of huge latent vectors in a usable range, as Flow-GRPO does)."""
+    sample, mean = sample.float(), mean.float()
+    log_density = -((sample - mean) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)
+    return log_density.flatten(1).mean(1)
 
 
 def guided_velocity(cond: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:

@@ -17,6 +17,7 @@ COMMANDS = {
     "quantize": "krea2_diffusers.cli.quantize",
     "expand": "krea2_diffusers.cli.expand",
     "train": "finetune.cli",
+    "posttrain": "finetune.posttrain.cli",
     "export": "finetune.export_cli",
     "pack": "finetune.packs.cli",
     "pretrain": "finetune.pretrain.cli",

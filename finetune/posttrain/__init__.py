@@ -1,0 +1,6 @@
+"""Post-training on the training engine: ``method: dpo | grpo | distill``.
+
+    krea2 posttrain examples/posttrain_dpo_tiny.yaml
+
+See ``finetune/POSTTRAIN.md``. Entry point: :func:`finetune.posttrain.run.posttrain`.
+"""

@@ -1,0 +1,177 @@
+"""The post-training config: a training config (model, training, lora, optimizer, checkpointing,
+export ... exactly as ``krea2 train``) plus ``method`` and that method's own section.
+
+``data`` is not used: DPO reads preference pairs, GRPO and distillation read prompts only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from ..config import ConfigError, TrainConfig, load_config
+
+METHODS = ("dpo", "grpo", "distill")
+
+
+@dataclass
+class SyntheticPairsConfig:
+    """A self-made preference set: each pair prefers a warm flat colour over a cool one."""
+
+    num_pairs: int = 12
+    size: int = 64
+
+
+@dataclass
+class DPOConfig:
+    data: str | None = None
+    """JSONL/Parquet manifest with ``prompt``, ``chosen``, ``rejected`` (image paths relative to it)."""
+    synthetic: SyntheticPairsConfig | None = None
+    """Generate a synthetic pair set into ``data`` (or ``<output_dir>/synthetic_pairs``) instead."""
+    resolution: int = 1024
+    """Pairs are bucketed at about ``resolution**2`` pixels (both images of a pair share a bucket)."""
+    beta: float = 2500.0
+    """Diffusion-DPO's KL strength; the losses are per-element means, as in the Diffusion-DPO paper."""
+    sft_weight: float = 0.0
+    """Anchor 1: weight of the plain flow-matching (SFT) loss on the chosen sample."""
+    chosen_anchor_weight: float = 0.0
+    """Anchor 2: weight of ``relu(loss_chosen - loss_chosen_reference)``, a penalty whenever the
+    chosen sample's likelihood falls below the reference's (plain DPO lets both fall)."""
+    heldout_pairs: int = 4
+    """The manifest's last N usable pairs are never trained on; their metrics show drift."""
+    eval_every_n_steps: int = 10
+    cache_dir: str | None = None
+
+
+@dataclass
+class RewardConfig:
+    function: str = ""
+    """``package.module:function(images, prompts, metadata) -> list[float]``, or a built-in
+    (``krea2.vlm_rubric``, ``krea2.ocr``, ``krea2.clip``: see :mod:`finetune.posttrain.rewards`)."""
+    weight: float = 1.0
+    gate: float | None = None
+    """A raw value below the gate zeroes the sample's total reward (e.g. an artefact detector)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the function (built-ins: model paths, rubric template ...)."""
+
+
+@dataclass
+class PromptPoolConfig:
+    solved_above: float | None = None
+    """Drop a prompt whose mean total reward is at least this (too easy to teach anything)."""
+    hopeless_below: float | None = None
+    """Drop a prompt whose best total reward so far is below this (always fails)."""
+    min_std: float = 1e-6
+    """Drop a prompt whose group reward spread stays below this (no variance, no advantage)."""
+    min_groups: int = 2
+    """Groups a prompt must have had before it can be dropped."""
+
+
+@dataclass
+class PromptSource:
+    """Where GRPO and distillation read their prompts (no images: both are data-free)."""
+
+    prompts: list[str] = field(default_factory=list)
+    prompts_file: str | None = None
+    """A text file, one prompt per line (added to ``prompts``)."""
+
+
+@dataclass
+class GRPOConfig(PromptSource):
+    group_size: int = 8
+    """Samples per prompt; ``training.batch_size`` prompts per step."""
+    num_inference_steps: int = 10
+    resolution: int = 1024
+    noise_level: float = 0.7
+    """SDE diffusion ``a`` in ``s_t = a sqrt(t / (1 - t))`` (marginals unchanged)."""
+    sde_steps: int | None = None
+    """Steps that explore (SDE) and are trained, a random window per step; the rest follow the ODE. None = all."""
+    clip_range: float = 1e-4
+    """PPO clip on the per-step likelihood ratio (per-element mean log-probs, Flow-GRPO's scale)."""
+    kl_weight: float = 0.04
+    """Weight of the KL to the reference (base weights) per trained step."""
+    updates_per_rollout: int = 2
+    """Optimizer updates on each batch of rollouts (the ratio leaves 1 after the first)."""
+    rewards: list[RewardConfig] = field(default_factory=list)
+    pool: PromptPoolConfig = field(default_factory=PromptPoolConfig)
+    eval_every_n_steps: int = 10
+    """Mean reward of guidance-free ODE samples on fixed seeds (0 = off)."""
+    eval_seeds: int = 2
+
+
+@dataclass
+class DistillConfig(PromptSource):
+    student_steps: int = 8
+    teacher_steps: int = 28
+    """The teacher's own step count (recorded; training is data-free and never samples the teacher)."""
+    teacher_guidance: float = 3.5
+    """CFG of the teacher (Krea convention, RAW's default); the student learns guidance in."""
+    negative_prompt: str = ""
+    resolution: int = 1024
+    fake_learning_rate: float | None = None
+    """Learning rate of the fake-score model (default: ``optimizer.learning_rate``)."""
+
+
+@dataclass
+class PosttrainConfig(TrainConfig):
+    output_dir: str = "outputs/krea2-posttrain"
+    method: Literal["dpo", "grpo", "distill"] = "dpo"
+    dpo: DPOConfig | None = None
+    grpo: GRPOConfig | None = None
+    distill: DistillConfig | None = None
+
+    requires_data: ClassVar[bool] = False
+
+    @property
+    def section(self):
+        return getattr(self, self.method)
+
+    def validate(self) -> None:
+        if self.section is None:
+            setattr(self, self.method, {"dpo": DPOConfig, "grpo": GRPOConfig, "distill": DistillConfig}[self.method]())
+        super().validate()
+        section, name = self.section, self.method
+        if section.resolution <= 0 or section.resolution % 16:
+            raise ConfigError(f"{name}.resolution must be a positive multiple of 16, got {section.resolution}")
+        if name == "dpo":
+            if section.data is None and section.synthetic is None:
+                raise ConfigError("dpo.data is required (a .jsonl/.parquet of prompt, chosen, rejected), or dpo.synthetic")
+            for key in ("sft_weight", "chosen_anchor_weight", "heldout_pairs"):
+                if getattr(section, key) < 0:
+                    raise ConfigError(f"dpo.{key} must be >= 0, got {getattr(section, key)}")
+            if section.beta <= 0:
+                raise ConfigError(f"dpo.beta must be positive, got {section.beta}")
+        else:
+            if not section.prompts and not section.prompts_file:
+                raise ConfigError(f"{name}.prompts (or {name}.prompts_file) is required")
+        if name == "grpo":
+            if section.group_size < 2:
+                raise ConfigError(f"grpo.group_size must be at least 2 (advantages compare samples), got {section.group_size}")
+            if not section.rewards:
+                raise ConfigError("grpo.rewards is empty: give at least one {function: 'module:function'}")
+            for i, reward in enumerate(section.rewards):
+                if ":" not in reward.function and not reward.function.startswith("krea2."):
+                    raise ConfigError(f"grpo.rewards[{i}].function {reward.function!r} must look like 'package.module:function'")
+            if section.sde_steps is not None and not 1 <= section.sde_steps <= section.num_inference_steps:
+                raise ConfigError(f"grpo.sde_steps must be in [1, num_inference_steps], got {section.sde_steps}")
+        if name == "distill":
+            if section.student_steps < 1 or section.teacher_steps < 1:
+                raise ConfigError("distill.student_steps and distill.teacher_steps must be positive")
+
+    def prompt_list(self) -> list[str]:
+        """GRPO / distill prompts: the inline list, then the file's non-empty lines."""
+        section = self.section
+        prompts = list(section.prompts)
+        if section.prompts_file:
+            path = Path(section.prompts_file)
+            if not path.is_file():
+                raise ConfigError(f"{self.method}.prompts_file {str(path)!r} not found")
+            prompts += [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if not prompts:
+            raise ConfigError(f"{self.method}: no prompts")
+        return prompts
+
+
+def load_posttrain_config(path: str | Path, overrides: list[str] = ()) -> PosttrainConfig:
+    return load_config(path, overrides, cls=PosttrainConfig)

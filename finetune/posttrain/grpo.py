@@ -1,0 +1,188 @@
+"""``method: grpo``: group-relative policy optimisation for the flow model (as in Flow-GRPO).
+
+Each step: ``training.batch_size`` prompts per process from the pool, ``group_size`` guidance-free
+rollouts each, the SDE (same marginals as the ODE) on ``sde_steps`` exploring steps; rewards
+from the plug-ins; advantages normalised within each prompt's group. Then
+``updates_per_rollout`` optimizer updates of::
+
+    loss = mean over samples and exploring steps k of
+           -min(A r_k, A clip(r_k, 1 - eps, 1 + eps)) + kl_weight * |mu_k - mu_ref,k|^2 / (2 s_k^2)
+
+with ``r_k = p_theta(x_{k+1} | x_k) / p_rollout(x_{k+1} | x_k)`` from the per-step Gaussian
+log-probabilities and the KL the closed form between the two Gaussian steps (current vs base
+weights). No CFG anywhere in training: guidance stays available at inference.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+
+from krea2_diffusers.conditioning import pad_conditioning
+
+from .prompt_pool import PoolLog, PromptPool
+from ..trainer import NonFiniteLossError
+from .rewards import group_advantages, load_rewards, score
+from .rollout import decode_to_pil, initial_noise, ode_samples, schedule, sde_rollout, step_log_prob, text_fusion_frozen, text_inputs
+from .trainer import PosttrainTrainer
+
+logger = logging.getLogger("finetune")
+
+# Generator index of the fixed evaluation noise, away from every training step's.
+EVAL_SEED_INDEX = -2
+
+
+def clipped_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                        clip_range: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate; all (B,). Returns (per-sample loss (B,), clipped mask (B,))."""
+    ratio = torch.exp(log_probs - old_log_probs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+    return torch.maximum(unclipped, clipped), (ratio - 1.0).abs() > clip_range
+
+
+def gaussian_step_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: float) -> torch.Tensor:
+    """(B,) KL between N(mean, s^2) and N(ref_mean, s^2) per element, averaged over (N, C)."""
+    return ((mean.float() - ref_mean.float()) ** 2).flatten(1).mean(1) / (2 * std**2)
+
+
+class GRPOTrainer(PosttrainTrainer):
+    def prepare_inputs(self) -> None:
+        section = self.config.grpo
+        self.prompts = self.config.prompt_list()
+        self.rewards = load_rewards(section.rewards)  # import errors: refused before any model loads
+        self.pool = PromptPool(self.prompts, section.pool)
+        self.pool_log = PoolLog(self.out / "prompt_pool.jsonl", self.runtime.is_main)
+        self.size = section.resolution
+
+    def encode_inputs(self) -> None:
+        device = self.runtime.device
+        self.text = []
+        for prompt in self.prompts:  # once: the text encoder can leave the GPU afterwards
+            embeds, mask = self.pipe.encode_prompt(prompt, device=device, max_sequence_length=self.config.model.max_sequence_length)
+            self.text.append((embeds.cpu(), mask.cpu()))
+        self.times = schedule(self.config.grpo.num_inference_steps, self.size, self.size)
+
+    def setup(self) -> None:
+        super().setup()
+        self.reuse_text = text_fusion_frozen(self.model)
+
+    def _restore(self) -> int:
+        step = super()._restore()
+        self.pool_log.replay(self.pool, step)
+        return step
+
+    def conditioning(self, prompt_ids: list[int], repeat: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B * repeat, L, layers, dim) embeds and (B * repeat, L) mask on the device."""
+        embeds, mask = pad_conditioning([self.text[i][0] for i in prompt_ids], [self.text[i][1] for i in prompt_ids])
+        device = self.runtime.device
+        return embeds.repeat_interleave(repeat, 0).to(device), mask.repeat_interleave(repeat, 0).to(device)
+
+    def _gather(self, values: torch.Tensor) -> torch.Tensor:
+        """Every process's (n,) values, in rank order (the pool must agree everywhere)."""
+        if self.runtime.world_size == 1:
+            return values
+        parts = [torch.empty_like(values) for _ in range(self.runtime.world_size)]
+        dist.all_gather(parts, values.to(self.runtime.device) if dist.get_backend() == "nccl" else values)
+        return torch.cat([p.cpu() for p in parts])
+
+    def train_step(self, step: int, items=None) -> tuple[float, float]:
+        config, runtime, section = self.config, self.runtime, self.config.grpo
+        # The run's global batch of prompts, kept on resume with another number of processes.
+        group, per_rank = section.group_size, self.global_batch.micro_batch // runtime.world_size
+        generator = self.generator(step)
+        global_ids = self.pool.sample(self.global_batch.micro_batch, generator)
+        mine = slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
+        prompt_ids = global_ids[mine]
+        steps = len(self.times) - 1
+        window = section.sde_steps or steps
+        start = int(torch.randint(0, steps - window + 1, (1,), generator=generator))
+        explore = list(range(start, start + window))
+        channels = self.pipe.transformer.config.in_channels
+        noise = initial_noise(len(global_ids) * group, channels, self.size, self.size, generator)
+        noise = noise[runtime.rank * per_rank * group:(runtime.rank + 1) * per_rank * group]
+        sde_generator = self.generator(f"sde-{step}-slot{mine.start}")
+
+        # 1. Rollouts with the current weights, and their rewards.
+        embeds, mask = self.conditioning(prompt_ids, group)
+        text = text_inputs(self.model, embeds, mask, self.size, self.size, reuse=self.reuse_text)
+        self.model.eval()
+        rollout = sde_rollout(self.model, text, noise.to(runtime.device), self.times, explore, section.noise_level, sde_generator)
+        self.model.train()
+        prompts = [self.prompts[i] for i in prompt_ids for _ in range(group)]
+        metadata = [{"prompt_index": i, "step": step + 1, "sample": k} for i in prompt_ids for k in range(group)]
+        images = decode_to_pil(self.pipe.vae, rollout.latents, self.size, self.size)
+        total, raw = score(self.rewards, images, prompts, metadata)
+        advantages = group_advantages(total, group).float().to(runtime.device)
+        all_totals = self._gather(total.float()).view(-1, group)
+        groups = [(pid, all_totals[g].tolist()) for g, pid in enumerate(global_ids)]
+        for prompt_id, values in groups:
+            self.pool.update(prompt_id, values)
+        if runtime.is_main:
+            self.pool_log.append(step + 1, groups)
+
+        # 2. Clipped-ratio updates on the exploring steps, with the KL to the base weights.
+        t_cap = self.times[1]
+        stats = {"policy_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
+        grad_norm = 0.0
+        for _ in range(section.updates_per_rollout):
+            for k, (t, t_next) in enumerate(rollout.times):
+                with runtime.autocast():
+                    log_probs, mean, std = step_log_prob(self.model, rollout.states[k], rollout.next_states[k], t, t_next,
+                                                         t_cap, section.noise_level, text)
+                _, ref_mean, _ = step_log_prob(_Frozen(self), rollout.states[k], rollout.next_states[k], t, t_next,
+                                               t_cap, section.noise_level, text)
+                policy, clipped = clipped_policy_loss(log_probs, rollout.log_probs[k], advantages, section.clip_range)
+                kl = gaussian_step_kl(mean, ref_mean, std)
+                loss = (policy + section.kl_weight * kl).mean() / len(rollout.times)
+                if not math.isfinite(float(loss.detach())):
+                    raise NonFiniteLossError(f"GRPO loss is {float(loss.detach())} at step {step + 1} on prompts "
+                                             f"{sorted(set(prompts))}; the last checkpoint is kept in {self.checkpointer.folder}")
+                loss.backward()
+                scale = len(rollout.times) * section.updates_per_rollout
+                stats["policy_loss"] += float(policy.mean()) / scale
+                stats["kl"] += float(kl.mean()) / scale
+                stats["clip_fraction"] += float(clipped.float().mean()) / scale
+            grad_norm = self.optimizer_step()
+        self.lr_scheduler.step()
+
+        stats["reward_mean"] = float(self._gather(total.float()).mean())
+        stats["reward_std"] = float(total.std(unbiased=False))
+        stats.update({f"reward/{name}": float(values.mean()) for name, values in raw.items()})
+        stats.update(self.pool.summary())
+        if self.eval_due(step, section.eval_every_n_steps):
+            stats["eval/reward_mean"] = self.evaluate()
+        self.extra_metrics = stats
+        return stats["policy_loss"] + section.kl_weight * stats["kl"], grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean total reward of guidance-free ODE samples, fixed noise, every prompt x ``eval_seeds``."""
+        section = self.config.grpo
+        ids = list(range(len(self.prompts)))
+        embeds, mask = self.conditioning(ids, section.eval_seeds)
+        noise = initial_noise(len(ids) * section.eval_seeds, self.pipe.transformer.config.in_channels, self.size, self.size,
+                              self.generator(EVAL_SEED_INDEX))
+        text = text_inputs(self.model, embeds, mask, self.size, self.size, reuse=self.reuse_text)
+        self.model.eval()
+        try:
+            latents = ode_samples(self.model, text, noise.to(self.runtime.device), self.times)
+        finally:
+            self.model.train()
+        prompts = [self.prompts[i] for i in ids for _ in range(section.eval_seeds)]
+        metadata = [{"prompt_index": i, "sample": k, "eval": True} for i in ids for k in range(section.eval_seeds)]
+        total, _ = score(self.rewards, decode_to_pil(self.pipe.vae, latents, self.size, self.size), prompts, metadata)
+        return float(total.mean())
+
+
+class _Frozen:
+    """The reference (base weights) called like a model, for :func:`step_log_prob`."""
+
+    def __init__(self, trainer: GRPOTrainer):
+        self.trainer = trainer
+
+    def __call__(self, return_dict: bool = False, **inputs):
+        return (self.trainer.reference(self.trainer.model, **inputs),)

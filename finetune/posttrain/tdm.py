@@ -1,0 +1,254 @@
+"""``method: distill``: trajectory distribution matching (TDM), data-free, few steps.
+
+The student (initialised from the teacher) samples with the Turbo schedule in ``K =
+distill.student_steps`` Euler steps. Each training step picks a student step ``k`` at random,
+runs the student to ``x_{t_k}`` without gradients, and takes its clean estimate
+``x0_hat = x_{t_k} - t_k v_student``. Distribution matching (DMD's score difference) is applied
+*inside that step's segment*: ``tau ~ U(t_{k+1}, t_k)``, ``x_tau = (1 - tau) x0_hat + tau eps`` and::
+
+    g = (x0_fake(x_tau) - x0_teacher_cfg(x_tau)) / mean|x0_hat - x0_teacher_cfg|
+    student loss = 1/2 |x0_hat - sg(x0_hat - g)|^2
+
+so every intermediate state of the student's trajectory is pulled toward the teacher's marginal
+at that time, not only the final sample. The fake-score model (initialised from the teacher,
+trained alongside) learns the flow of the student's own step-k estimates with plain flow
+matching at times from the same segment, so it models that step's distribution. The
+teacher is RAW with CFG (``teacher_guidance``, Krea convention). No data: prompts only.
+
+Full: the student and a fake-score copy are trained, the teacher is a frozen copy. LoRA: the
+student and the fake score are two adapters on the one frozen base, which is the teacher with
+the adapters switched off (no second or third copy of the weights: fits where a LoRA does).
+
+This is our reading of TDM (trajectory-level DMD with segment-restricted times); we do not claim
+it reproduces Krea's Turbo recipe bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from torch import nn
+
+from krea2_diffusers import sampling
+from krea2_diffusers.conditioning import pad_conditioning
+from krea2_diffusers.presets import DISTILLED_METADATA_KEY, STEPS_METADATA_KEY
+
+from ..methods import ADAPTER_NAME, add_lora, prepare_full_finetune
+from ..engine.parallel import full_state_dict, unwrap
+from ..trainer import NonFiniteLossError
+from .rollout import initial_noise, text_inputs, text_positions, velocity
+from .trainer import PosttrainTrainer
+
+# Keeps tau away from 0 in the last segment, where x0 = x_tau and the score difference vanishes.
+MIN_TAU = 1e-3
+FAKE_ADAPTER = "fake"
+# LoRA distillation: the two adapters on the one base (the teacher is the base, adapters off).
+ADAPTERS = {"student": ADAPTER_NAME, "fake": FAKE_ADAPTER}
+# DMD's normaliser is floored so a perfect teacher match does not divide by zero.
+NORMALISER_FLOOR = 1e-6
+
+
+class StudentAndFakeScore(nn.Module):
+    """One trained module holding the student and the fake-score transformer, so the engine's
+    checkpoints, optimizer and resume cover both. ``transformer_blocks`` lists both models'
+    blocks for per-block FSDP wrapping."""
+
+    def __init__(self, student: nn.Module, fake: nn.Module):
+        super().__init__()
+        self.student = student
+        self.fake = fake
+
+    @property
+    def config(self):
+        """The student's (what checkpoints record and exports write)."""
+        return self.student.config
+
+    @property
+    def transformer_blocks(self) -> list[nn.Module]:
+        return [*self.student.transformer_blocks, *self.fake.transformer_blocks]
+
+    def enable_gradient_checkpointing(self) -> None:
+        self.student.enable_gradient_checkpointing()
+        self.fake.enable_gradient_checkpointing()
+
+    def forward(self, which: str, **inputs):
+        return getattr(self, which)(**inputs)
+
+
+class _Part:
+    """One of the two trained models ("student" / "fake") called like a transformer."""
+
+    def __init__(self, trainer: "DistillTrainer", which: str):
+        self.trainer, self.which = trainer, which
+
+    def __call__(self, **inputs):
+        return self.trainer.call_part(self.which, **inputs)
+
+
+def dmd_student_loss(x0_hat: torch.Tensor, x0_fake: torch.Tensor, x0_teacher: torch.Tensor) -> torch.Tensor:
+    """DMD's distribution-matching loss on the student's clean estimate; all (B, N, C).
+
+    Its gradient w.r.t. ``x0_hat`` is ``(x0_fake - x0_teacher) / normaliser`` (per sample, the
+    mean absolute distance to the teacher's estimate), i.e. the score difference.
+    """
+    normaliser = (x0_hat.detach().float() - x0_teacher.float()).abs().flatten(1).mean(1).clamp_min(NORMALISER_FLOOR)
+    grad = (x0_fake.float() - x0_teacher.float()) / normaliser.view(-1, 1, 1)
+    target = (x0_hat.detach().float() - grad).detach()
+    return 0.5 * (x0_hat.float() - target).pow(2).flatten(1).mean(1).mean()
+
+
+class DistillTrainer(PosttrainTrainer):
+    def prepare_inputs(self) -> None:
+        self.lora = self.config.training.method == "lora"
+        self.prompts = self.config.prompt_list()
+        section = self.config.distill
+        self.size = section.resolution
+        self.student_times = sampling.sigma_schedule(section.student_steps, sampling.DISTILLED_SHIFT).tolist()
+
+    def encode_inputs(self) -> None:
+        device, section = self.runtime.device, self.config.distill
+        texts = self.prompts + [section.negative_prompt]
+        embeds, mask = self.pipe.encode_prompt(texts, device=device, max_sequence_length=self.config.model.max_sequence_length)
+        self.text = [(embeds[i:i + 1][:, mask[i]].cpu(), mask[i:i + 1][:, mask[i]].cpu()) for i in range(len(texts))]
+
+    def trainable_module(self, transformer: nn.Module) -> nn.Module:
+        """Full: a container of the student and a fake-score copy. LoRA: two adapters on the one
+        base, the student's (``default``) and the fake score's; the teacher is the base itself."""
+        if self.lora:
+            params = add_lora(transformer, self.config.lora, adapter_names=(ADAPTERS["student"], FAKE_ADAPTER))
+            transformer.set_adapter(ADAPTERS["student"])
+            for param in params:
+                param.requires_grad_(True)
+            return transformer
+        prepare_full_finetune(transformer)
+        return StudentAndFakeScore(transformer, copy.deepcopy(transformer))
+
+    def _fake_parameter_ids(self) -> set[int]:
+        inner = unwrap(self.model)
+        if self.lora:
+            return {id(p) for n, p in inner.named_parameters() if f".{FAKE_ADAPTER}." in n}
+        return {id(p) for p in inner.fake.parameters()}
+
+    def param_groups(self) -> list:
+        fake_lr = self.config.distill.fake_learning_rate or self.config.optimizer.learning_rate
+        fake = self._fake_parameter_ids()
+        return [{"params": [p for p in self.params if id(p) not in fake]},
+                {"params": [p for p in self.params if id(p) in fake], "lr": fake_lr}]
+
+    def call_part(self, which: str, **inputs):
+        """Run the student or the fake score (through the wrapper, so DDP/FSDP hooks run)."""
+        if not self.lora:
+            return self.model(which, **inputs)
+        # PEFT's set_adapter also switches requires_grad to the active adapter; both adapters stay
+        # trainable (the optimizer, checkpoints and exports see a fixed set of parameters).
+        unwrap(self.model).set_adapter(ADAPTERS[which])
+        for param in self.params:
+            param.requires_grad_(True)
+        return self.model(**inputs)
+
+    # ---------------------------------------------------------------- conditioning
+    def conditioning(self, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds, mask = pad_conditioning([self.text[i][0] for i in prompt_ids], [self.text[i][1] for i in prompt_ids])
+        return embeds.to(self.runtime.device), mask.to(self.runtime.device)
+
+    def teacher_velocity(self, latents, t: torch.Tensor, embeds, mask, uncond, uncond_mask) -> torch.Tensor:
+        """RAW with CFG: ``v_c + g (v_c - v_u)``, both branches in one batch of the frozen teacher."""
+        both_embeds, both_mask = pad_conditioning([embeds, uncond], [mask, uncond_mask])
+        positions = text_positions(both_embeds, self.size, self.size)
+        out = self.reference(self.model, hidden_states=torch.cat([latents, latents]), encoder_hidden_states=both_embeds,
+                             timestep=torch.cat([t, t]), position_ids=positions, encoder_attention_mask=both_mask)
+        cond, uncond_v = out.chunk(2)
+        return sampling.guided_velocity(cond, uncond_v, self.config.distill.teacher_guidance)
+
+    def _forward(self, which: str, latents, t: torch.Tensor, embeds, mask) -> torch.Tensor:
+        positions = text_positions(embeds, self.size, self.size)
+        with self.runtime.autocast():
+            return self.call_part(which, hidden_states=latents, encoder_hidden_states=embeds, timestep=t, position_ids=positions,
+                                  encoder_attention_mask=mask, return_dict=False)[0].float()
+
+    # ---------------------------------------------------------------- one step
+    def train_step(self, step: int, items=None) -> tuple[float, float]:
+        config, runtime, section = self.config, self.runtime, self.config.distill
+        total = self.global_batch.micro_batch  # the run's, kept on resume with another number of processes
+        per_rank = total // runtime.world_size
+        generator = self.generator(step)
+        order = torch.randperm(len(self.prompts), generator=generator).tolist()
+        global_ids = [order[i % len(order)] for i in range(total)]
+        mine = slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
+        channels = self.pipe.transformer.config.in_channels
+        noise = initial_noise(total, channels, self.size, self.size, generator)[mine]
+        k = int(torch.randint(0, section.student_steps, (1,), generator=generator))
+        t_k, t_after = self.student_times[k], self.student_times[k + 1]
+        tau = torch.rand(total, generator=generator, dtype=torch.float64)[mine]
+        tau = (t_after + (t_k - t_after) * tau).clamp_min(MIN_TAU).float()
+        eps = torch.randn((total, *noise.shape[1:]), generator=generator)[mine]
+        # The fake score learns the student's estimates diffused to the same segment's times, so it
+        # models the distribution of step k's estimates (the trajectory-level part of TDM).
+        tau_fake = torch.rand(total, generator=generator, dtype=torch.float64)[mine]
+        tau_fake = (t_after + (t_k - t_after) * tau_fake).clamp_min(MIN_TAU).float()
+        eps_fake = torch.randn((total, *noise.shape[1:]), generator=generator)[mine]
+        device = runtime.device
+        prompt_ids = global_ids[mine]
+        embeds, mask = self.conditioning(prompt_ids)
+        uncond, uncond_mask = self.conditioning([len(self.prompts)] * len(prompt_ids))
+        latents = noise.to(device)
+
+        # The student's own trajectory up to step k, then its clean estimate with gradients.
+        with torch.no_grad():
+            text = text_inputs(self.model, embeds, mask, self.size, self.size, reuse=False)
+            for i in range(k):
+                v = velocity(_Part(self, "student"), latents, self.student_times[i], text)
+                latents = sampling.euler_step(latents, v, self.student_times[i], self.student_times[i + 1])
+        t_vec = torch.full((len(prompt_ids),), t_k, device=device)
+        x0_hat = latents - t_k * self._forward("student", latents, t_vec, embeds, mask)
+
+        # Distribution matching inside the segment (t_{k+1}, t_k].
+        tau, eps = tau.to(device), eps.to(device)
+        noisy = (1 - tau.view(-1, 1, 1)) * x0_hat.detach() + tau.view(-1, 1, 1) * eps
+        with torch.no_grad():
+            x0_teacher = noisy - tau.view(-1, 1, 1) * self.teacher_velocity(noisy, tau, embeds, mask, uncond, uncond_mask)
+            x0_fake = noisy - tau.view(-1, 1, 1) * self._forward("fake", noisy, tau, embeds, mask)
+        student_loss = dmd_student_loss(x0_hat, x0_fake, x0_teacher)
+
+        # The fake score follows the student's distribution (flow matching on its samples).
+        tau_fake, eps_fake = tau_fake.to(device), eps_fake.to(device)
+        sample = x0_hat.detach()
+        noisy_fake = (1 - tau_fake.view(-1, 1, 1)) * sample + tau_fake.view(-1, 1, 1) * eps_fake
+        fake_v = self._forward("fake", noisy_fake, tau_fake, embeds, mask)
+        fake_loss = (fake_v - (eps_fake - sample)).pow(2).flatten(1).mean(1).mean()
+
+        loss = student_loss + fake_loss
+        value = float(runtime.mean(loss))
+        if not math.isfinite(value):
+            raise NonFiniteLossError(f"distillation loss is {value} at step {step + 1} on prompts "
+                                     f"{[self.prompts[i] for i in global_ids]}; the last checkpoint is kept in {self.checkpointer.folder}")
+        loss.backward()
+        if self.lora:
+            unwrap(self.model).set_adapter(ADAPTERS["student"])  # what validation and exports see
+            for param in self.params:
+                param.requires_grad_(True)
+        grad_norm = self.optimizer_step()
+        self.lr_scheduler.step()
+        self.extra_metrics = {"student_loss": float(runtime.mean(student_loss)), "fake_loss": float(runtime.mean(fake_loss)),
+                              "student_step": float(k)}
+        return value, grad_norm
+
+    # ---------------------------------------------------------------- export
+    def lora_layers(self):
+        """The student adapter (validation samples with it)."""
+        from krea2_diffusers.lora import lora_layers_from_diffusers_state_dict
+
+        state = full_state_dict(self.model, self.runtime, trainable_only=True)
+        student = {k: v for k, v in state.items() if f".{FAKE_ADAPTER}." not in k}
+        return lora_layers_from_diffusers_state_dict(student, self.config.lora.alpha, self.config.lora.rank)
+
+    def export_hints(self) -> dict:
+        """Full: the student part, marked distilled in the files' metadata (``transformer/`` and
+        ``krea2_original.safetensors``). LoRA: the student adapter (apply it to the teacher and
+        pass ``is_distilled=True``)."""
+        if self.lora:
+            return {"exclude_adapters": [FAKE_ADAPTER]}
+        return {"model_prefix": "student.",
+                "metadata": {DISTILLED_METADATA_KEY: "true", STEPS_METADATA_KEY: str(self.config.distill.student_steps)}}

@@ -1,0 +1,107 @@
+"""``kill -9`` then ``--resume`` for each post-training method: real subprocesses, real SIGKILL.
+
+The killed run logged a few steps past its last checkpoint before it died; the resumed run must
+recompute exactly those steps (same loss, same method metrics), then finish and export.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from finetune.config import build_config
+from finetune.metrics import read_metrics
+from finetune.posttrain.config import PosttrainConfig
+from finetune.posttrain.run import posttrain
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+MAX_STEPS = 8
+KILL_AFTER = 4
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _configs(tmp: Path) -> dict[str, dict]:
+    common = {
+        "model": {"pretrained_model_name_or_path": "tiny-random"},
+        "optimizer": {"learning_rate": 1.0e-3},
+        "checkpointing": {"every_n_steps": 3, "keep_last": 2},
+        "logging": {"progress_bar": False, "tensorboard": False},
+    }
+    lora = {"training": {"method": "lora", "max_steps": MAX_STEPS, "batch_size": 2, "seed": 3}, "lora": {"rank": 4, "alpha": 4},
+            "export": {"formats": ["diffusers"]}}
+    return {
+        "dpo": {**common, **lora, "output_dir": str(tmp / "dpo"), "method": "dpo",
+                "dpo": {"data": str(tmp / "pairs" / "pairs.jsonl"), "synthetic": {"num_pairs": 6, "size": 64},
+                        "resolution": 64, "heldout_pairs": 2, "eval_every_n_steps": 3, "sft_weight": 1.0}},
+        "grpo": {**common, **lora, "output_dir": str(tmp / "grpo"), "method": "grpo",
+                 "grpo": {"prompts": ["a picture", "an image of a thing", "a third"], "group_size": 2, "num_inference_steps": 3,
+                          "sde_steps": 2, "resolution": 32, "rewards": [{"function": "posttrain_rewards:brightness"}],
+                          "eval_every_n_steps": 0, "pool": {"min_std": 0.0}}},
+        "distill": {**common, "output_dir": str(tmp / "distill"), "method": "distill",
+                    "training": {"method": "full", "max_steps": MAX_STEPS, "batch_size": 2, "seed": 3},
+                    "export": {"formats": ["original"]},
+                    "distill": {"prompts": ["a picture", "a landscape"], "student_steps": 4, "resolution": 32}},
+    }
+
+
+def _kill_each_after(processes: dict, outs: dict, rows: int, timeout: float = 900) -> None:
+    """SIGKILL each process as soon as its metrics.jsonl has ``rows`` rows (all polled together)."""
+    deadline = time.time() + timeout
+    running = dict(processes)
+    while running and time.time() < deadline:
+        for method, process in list(running.items()):
+            metrics = outs[method] / "metrics.jsonl"
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= rows:
+                process.send_signal(signal.SIGKILL)
+                process.wait()
+                assert process.returncode == -signal.SIGKILL
+                del running[method]
+            elif process.poll() is not None:
+                pytest.fail(f"{method} ended before step {rows}:\n{process.stdout.read()[-3000:]}")
+        time.sleep(0.005)
+    for process in running.values():
+        process.kill()
+    assert not running, f"no step {rows} within {timeout}s: {sorted(running)}"
+
+
+def test_kill_9_then_resume_continues_each_method_exactly(tmp_path):
+    configs = _configs(tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
+    processes = {}
+    for method, config in configs.items():  # all three at once: their start-up overlaps
+        path = tmp_path / f"{method}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        processes[method] = subprocess.Popen([sys.executable, "-m", "finetune.posttrain", str(path)], cwd=ROOT, env=env,
+                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    outs = {method: Path(config["output_dir"]) for method, config in configs.items()}
+    _kill_each_after(processes, outs, KILL_AFTER)
+    killed_rows = {method: read_metrics(out) for method, out in outs.items()}
+    for method, rows in killed_rows.items():
+        assert len(rows) < MAX_STEPS, f"{method} finished before it was killed"
+
+    sys.path.insert(0, str(TESTS))
+    for method, config in configs.items():
+        out = Path(config["output_dir"])
+        last = max(int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("step-*"))
+        assert 3 <= last <= len(killed_rows[method])
+        result = posttrain(build_config(config, cls=PosttrainConfig), resume=True)
+        assert result.final_step == MAX_STEPS and not result.interrupted and result.exported
+        rows = read_metrics(out)
+        assert [r["step"] for r in rows] == list(range(1, MAX_STEPS + 1))
+        redone = [r["step"] for r in killed_rows[method] if r["step"] > last]
+        assert redone, f"{method}: the kill should come after steps that were not checkpointed"
+        for before in killed_rows[method]:
+            after = rows[before["step"] - 1]
+            for key in (k for k in before if k != "step_time"):
+                torch.testing.assert_close(torch.tensor(after[key]), torch.tensor(before[key]), rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{method} step {before['step']} {key}: {m}")
