@@ -112,9 +112,11 @@ def proportioned_transformer_config(num_layers: int = 12, heads: int = 8, head_d
     )
 
 
-def save_random_original_file(path, config: dict, seed: int = 0, dtype: torch.dtype = torch.float32) -> int:
+def save_random_original_file(path, config: dict, seed: int = 0, dtype: torch.dtype | None = None) -> int:
     """Write a randomly initialised transformer of ``config`` as an original-layout single file
-    (what users download); returns its size in bytes. Built on the CPU one tensor set at a time."""
+    (what users download), in ``dtype`` (default float32); returns its size in bytes."""
+    import torch
+
     from .convert import convert_diffusers_to_original
     from .files import save_safetensors
     from .transformer import Krea2Transformer2DModel
@@ -122,7 +124,7 @@ def save_random_original_file(path, config: dict, seed: int = 0, dtype: torch.dt
     torch.manual_seed(seed)
     model = Krea2Transformer2DModel(**config)
     randomize_(model, torch.Generator().manual_seed(seed))
-    state = {k: v.to(dtype) for k, v in convert_diffusers_to_original(model.state_dict()).items()}
+    state = {k: v.to(dtype or torch.float32) for k, v in convert_diffusers_to_original(model.state_dict()).items()}
     del model
     save_safetensors(state, path)
     return sum(v.numel() * v.element_size() for v in state.values())
