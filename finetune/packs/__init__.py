@@ -1,8 +1,21 @@
-"""``krea2-pack-v1``: pre-resized, pre-shuffled, bucket-grouped Parquet packs for pretraining."""
+"""``krea2-pack-v1``: pre-resized, pre-shuffled, bucket-grouped Parquet packs for pretraining.
 
-from .reader import PackReader, decode_image
-from .schema import CAPTION_COLUMNS, COLUMNS, PACK_SCHEMA, PackInfo
-from .writer import PackError, PackRecord, PackStats, write_pack
+Names are resolved on first use so that ``krea2 pack --help`` (which imports this package for its
+parser) does not pull in torch or pyarrow.
+"""
 
-__all__ = ["CAPTION_COLUMNS", "COLUMNS", "PACK_SCHEMA", "PackError", "PackInfo", "PackReader", "PackRecord",
-           "PackStats", "decode_image", "write_pack"]
+import importlib
+
+_EXPORTS = {
+    "PackReader": "reader", "decode_image": "reader",
+    "CAPTION_COLUMNS": "schema", "COLUMNS": "schema", "PACK_SCHEMA": "schema", "PackInfo": "schema",
+    "PackError": "writer", "PackRecord": "writer", "PackStats": "writer", "write_pack": "writer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
