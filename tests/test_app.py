@@ -214,7 +214,7 @@ def test_browser_generates_an_image(app_url, tmp_path):
 
 
 def test_demo_logic_lives_with_the_app_not_in_the_library():
-    import importlib.util
+    import krea2_diffusers
 
-    assert importlib.util.find_spec("krea2_diffusers.demo") is None
+    assert not (Path(krea2_diffusers.__file__).parent / "demo.py").exists()
     assert Demo.__module__ == "app" and Request.__module__ == "krea2_diffusers.limits"
