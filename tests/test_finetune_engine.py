@@ -100,3 +100,16 @@ def test_rows_are_read_into_a_reshaped_model_tensor(tmp_path):
     load_local_shards_(model, source)
     assert torch.equal(model.table.detach(), flat.view(6, 2))
     source.close()
+
+
+def test_async_save_is_published_only_once_complete(tmp_path):
+    folder = tmp_path / "checkpoints"
+    checkpointer = ckpt.Checkpointer(folder, _runtime(), keep_last=3, async_save=True)
+    model, optimizer = _trained_model(0)
+    checkpointer.save(1, model, optimizer, trainable_only=False, train_state={"fingerprint": "a"})
+    assert ckpt.latest_checkpoint(folder) is None  # still being written: not visible to --resume
+    checkpointer.wait()
+    assert ckpt.latest_checkpoint(folder) == folder / "step-1"
+    other, other_optimizer = _trained_model(1)
+    checkpointer.load(folder / "step-1", other, other_optimizer, trainable_only=False, expected={})
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
