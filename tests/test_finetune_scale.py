@@ -31,36 +31,20 @@ from krea2_diffusers.tiny import proportioned_transformer_config, save_random_or
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# Runs the trainer with the transformer set-up wrapped in a probe: RSS sampled every 2 ms from a
-# thread, written as {"rank", "base", "peak"} bytes to PROBE_DIR/rank<R>.json.
+# Runs the trainer with the transformer set-up wrapped in a probe (RSS sampled every 2 ms from a
+# thread, see HostPeak), written as {"rank", "growth"} bytes to PROBE_DIR/rank<R>.json.
 PROBE = '''
-import ctypes, json, os, sys, threading, time
-import psutil
+import json, os, sys
 import finetune.model as model
+from finetune.engine.plan import HostPeak
 
 build = model.build_sharded_transformer
 
 def probed(config, runtime):
-    # Hand freed heap pages back to the OS first, so that growth is not hidden by reuse.
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    process = psutil.Process()
-    base = process.memory_info().rss
-    peak = [base]
-    done = threading.Event()
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], process.memory_info().rss)
-            time.sleep(0.002)
-    thread = threading.Thread(target=sample)
-    thread.start()
-    try:
+    with HostPeak() as probe:
         result = build(config, runtime)
-    finally:
-        done.set()
-        thread.join()
-    peak[0] = max(peak[0], process.memory_info().rss)
     with open(os.path.join(os.environ["PROBE_DIR"], f"rank{runtime.rank}.json"), "w") as f:
-        json.dump({"rank": runtime.rank, "base": base, "peak": peak[0], "end": process.memory_info().rss}, f)
+        json.dump({"rank": runtime.rank, "growth": probe.growth}, f)
     return result
 
 model.build_sharded_transformer = probed
@@ -106,8 +90,7 @@ def _run(config: dict, folder: Path, processes: int, *args: str) -> str:
 
 
 def _setup_growth(folder: Path, processes: int) -> list[int]:
-    probes = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(processes)]
-    return [p["peak"] - p["base"] for p in probes]
+    return [json.loads((folder / f"rank{r}.json").read_text())["growth"] for r in range(processes)]
 
 
 def _losses(out: Path) -> list[float]:
