@@ -134,6 +134,19 @@ def test_sharded_full_finetune_memory_losses_and_resume_on_another_world_size(tm
     for key in expected:
         torch.testing.assert_close(resumed[key], expected[key], rtol=1e-4, atol=1e-5)
 
+    # `krea2 export` on its own: the original layout in bf16, loadable as a single file.
+    from krea2_diffusers import Krea2Transformer2DModel
+    from krea2_diffusers.cli import main as krea2
+
+    exported = tmp_path / "exported"
+    assert krea2(["export", str(two / "run" / "checkpoints" / "step-4"), str(exported), "--format", "original",
+                  "--dtype", "bfloat16"]) == 0
+    loaded = Krea2Transformer2DModel.from_single_file(str(exported / "krea2_original.safetensors")).state_dict()
+    assert loaded.keys() == resumed.keys()
+    for key in resumed:
+        assert torch.equal(loaded[key], resumed[key].bfloat16()), key
+    assert krea2(["export", str(two / "run" / "checkpoints" / "step-4"), str(exported)]) == 2  # nothing overwritten
+
 
 def _fixed_batch_loss(pipe, trainer: Trainer, lora_file: Path | None) -> float:
     """Flow-matching loss of a plain bf16 pipeline (optionally with a LoRA file loaded) on fixed
