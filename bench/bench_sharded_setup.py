@@ -4,21 +4,19 @@
     python bench/bench_sharded_setup.py --layers 24     # ~340 MB
 
 Each process runs the trainer's own ``finetune.model.build_sharded_transformer`` (meta build ->
-fully_shard -> to_empty -> its own rows read from the file) while a thread samples its resident
-memory every 2 ms; freed heap pages are handed back to the OS first so reuse does not hide growth.
+fully_shard -> to_empty -> its own rows read from the file) under ``finetune.engine.plan.HostPeak``
+(resident memory sampled every 2 ms, freed heap pages handed back to the OS first).
 Prints each rank's growth and its ratio to the model's fp32 size.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -27,9 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 
 def worker(model: str, out: str) -> None:
-    import psutil
-
     from finetune.config import build_config
+    from finetune.engine.plan import HostPeak
     from finetune.engine.runtime import setup_runtime
     from finetune.model import build_sharded_transformer
 
@@ -37,27 +34,12 @@ def worker(model: str, out: str) -> None:
                            "model": {"pretrained_model_name_or_path": model, "text_encoder": "tiny-random", "vae": "tiny-random"},
                            "training": {"method": "full"}})
     runtime = setup_runtime(config)
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    process = psutil.Process()
-    base = process.memory_info().rss
-    peak = [base]
-    done = threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], process.memory_info().rss)
-            time.sleep(0.002)
-
-    thread = threading.Thread(target=sample)
-    thread.start()
     start = time.perf_counter()
-    build_sharded_transformer(config, runtime)
+    with HostPeak() as probe:
+        build_sharded_transformer(config, runtime)
     seconds = time.perf_counter() - start
-    done.set()
-    thread.join()
-    peak[0] = max(peak[0], process.memory_info().rss)
     Path(out, f"rank{runtime.rank}-of-{runtime.world_size}.json").write_text(
-        json.dumps({"growth": peak[0] - base, "seconds": seconds}))
+        json.dumps({"growth": probe.growth, "seconds": seconds}))
 
 
 def main() -> None:

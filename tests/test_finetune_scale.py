@@ -31,36 +31,20 @@ from krea2_diffusers.tiny import proportioned_transformer_config, save_random_or
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# Runs the trainer with the transformer set-up wrapped in a probe: RSS sampled every 2 ms from a
-# thread, written as {"rank", "base", "peak"} bytes to PROBE_DIR/rank<R>.json.
+# Runs the trainer with the transformer set-up wrapped in a probe (RSS sampled every 2 ms from a
+# thread, see HostPeak), written as {"rank", "growth"} bytes to PROBE_DIR/rank<R>.json.
 PROBE = '''
-import ctypes, json, os, sys, threading, time
-import psutil
+import json, os, sys
 import finetune.model as model
+from finetune.engine.plan import HostPeak
 
 build = model.build_sharded_transformer
 
 def probed(config, runtime):
-    # Hand freed heap pages back to the OS first, so that growth is not hidden by reuse.
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    process = psutil.Process()
-    base = process.memory_info().rss
-    peak = [base]
-    done = threading.Event()
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], process.memory_info().rss)
-            time.sleep(0.002)
-    thread = threading.Thread(target=sample)
-    thread.start()
-    try:
+    with HostPeak() as probe:
         result = build(config, runtime)
-    finally:
-        done.set()
-        thread.join()
-    peak[0] = max(peak[0], process.memory_info().rss)
     with open(os.path.join(os.environ["PROBE_DIR"], f"rank{runtime.rank}.json"), "w") as f:
-        json.dump({"rank": runtime.rank, "base": base, "peak": peak[0], "end": process.memory_info().rss}, f)
+        json.dump({"rank": runtime.rank, "growth": probe.growth}, f)
     return result
 
 model.build_sharded_transformer = probed
@@ -106,8 +90,7 @@ def _run(config: dict, folder: Path, processes: int, *args: str) -> str:
 
 
 def _setup_growth(folder: Path, processes: int) -> list[int]:
-    probes = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(processes)]
-    return [p["peak"] - p["base"] for p in probes]
+    return [json.loads((folder / f"rank{r}.json").read_text())["growth"] for r in range(processes)]
 
 
 def _losses(out: Path) -> list[float]:
@@ -150,6 +133,19 @@ def test_sharded_full_finetune_memory_losses_and_resume_on_another_world_size(tm
     assert resumed.keys() == expected.keys()
     for key in expected:
         torch.testing.assert_close(resumed[key], expected[key], rtol=1e-4, atol=1e-5)
+
+    # `krea2 export` on its own: the original layout in bf16, loadable as a single file.
+    from krea2_diffusers import Krea2Transformer2DModel
+    from krea2_diffusers.cli import main as krea2
+
+    exported = tmp_path / "exported"
+    assert krea2(["export", str(two / "run" / "checkpoints" / "step-4"), str(exported), "--format", "original",
+                  "--dtype", "bfloat16"]) == 0
+    loaded = Krea2Transformer2DModel.from_single_file(str(exported / "krea2_original.safetensors")).state_dict()
+    assert loaded.keys() == resumed.keys()
+    for key in resumed:
+        assert torch.equal(loaded[key], resumed[key].bfloat16()), key
+    assert krea2(["export", str(two / "run" / "checkpoints" / "step-4"), str(exported)]) == 2  # nothing overwritten
 
 
 def _fixed_batch_loss(pipe, trainer: Trainer, lora_file: Path | None) -> float:

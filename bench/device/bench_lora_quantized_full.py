@@ -20,7 +20,6 @@ import argparse
 import gc
 import json
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,14 +28,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_train_full import FULL_CONFIG, TINY_CONFIG, build_model  # noqa: E402
+from bench_train_full import FULL_CONFIG, TINY_CONFIG, build_model, time_steps  # noqa: E402
 
-from finetune.config import LoRAConfig, ObjectiveConfig, OptimizerConfig, build_config  # noqa: E402
+from finetune.config import LoRAConfig, OptimizerConfig, build_config  # noqa: E402
 from finetune.engine.parallel import wrap_model  # noqa: E402
 from finetune.methods import add_lora, quantize_base  # noqa: E402
-from finetune.objective import add_noise, flow_matching_loss, sample_timesteps  # noqa: E402
 from finetune.optim import make_optimizer  # noqa: E402
-from krea2_diffusers.latents import position_ids  # noqa: E402
 
 VARIANTS = {"fp8": ("fp8", 0), "fp8-swap14": ("fp8", 14), "nf4": ("nf4", 0), "nf4-swap14": ("nf4", 14)}
 GIB = 1024**3
@@ -76,40 +73,16 @@ def run_variant(name: str, args, device: torch.device) -> dict:
     model = wrap_model(model, blocks, runtime, activation_checkpointing="full", compile=False,
                        mixed_precision="bf16", offloaded_blocks=offload)
     optimizer = make_optimizer(params, OptimizerConfig(name="adamw", learning_rate=1e-4))
-    grid = args.resolution // 16
-    tokens = grid * grid
-    generator = torch.Generator().manual_seed(0)
-    x0 = torch.randn(1, tokens, 64, generator=generator).to(device)
-    text = torch.randn(1, args.text_len, config.get("num_text_layers", 12), config.get("text_hidden_dim", 2560),
-                       generator=generator).to(device, torch.bfloat16)
-    positions = position_ids(args.text_len, grid, grid, device=device)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    times = []
-    for step in range(args.warmup + args.steps):
-        noise = torch.randn(x0.shape, generator=generator).to(device)
-        t = sample_timesteps(1, tokens, ObjectiveConfig(), generator).to(device)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            pred = model(hidden_states=add_noise(x0, noise, t), encoder_hidden_states=text, timestep=t,
-                         position_ids=positions).sample
-        loss = flow_matching_loss(pred, x0, noise, t)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
+    times, loss = time_steps(model, params, optimizer, config, args, device)
     result = {"variant": name, "quantize": quantize, "offload_blocks": offload, "s_per_step": sum(times) / len(times),
               "peak_gib": torch.cuda.max_memory_allocated() / GIB if device.type == "cuda" else None,
               "reserved_gib": torch.cuda.max_memory_reserved() / GIB if device.type == "cuda" else None,
               "plan_gib": planned_gib(quantize, offload, args), "loss": loss.item()}
-    del model, optimizer, params, pred, loss
+    del model, optimizer, params, loss
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -122,6 +95,7 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--resolution", type=int, default=None, help="pixels per side (1024; 64 with --tiny)")
     parser.add_argument("--text-len", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)

@@ -63,6 +63,40 @@ def build_model(config: dict, device: torch.device, dtype: torch.dtype) -> Krea2
     return model
 
 
+def time_steps(model, params, optimizer, config: dict, args, device: torch.device, autocast: bool = True):
+    """``args.warmup + args.steps`` LoRA steps (forward, backward, clip, optimizer) on random
+    inputs at ``args.resolution``; returns (seconds of each timed step, last loss)."""
+    grid = args.resolution // 16
+    tokens = grid * grid
+    generator = torch.Generator().manual_seed(0)
+    x0 = torch.randn(args.batch, tokens, 64, generator=generator).to(device)
+    text = torch.randn(args.batch, args.text_len, config.get("num_text_layers", 12), config.get("text_hidden_dim", 2560),
+                       generator=generator)
+    text = text.to(device, torch.bfloat16 if autocast else torch.float32)
+    mask = torch.ones(args.batch, args.text_len, dtype=torch.bool, device=device)
+    positions = position_ids(args.text_len, grid, grid, device=device)
+    times = []
+    for step in range(args.warmup + args.steps):
+        noise = torch.randn(x0.shape, generator=generator).to(device)
+        t = sample_timesteps(args.batch, tokens, ObjectiveConfig(), generator).to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            pred = model(hidden_states=add_noise(x0, noise, t), encoder_hidden_states=text, timestep=t,
+                         position_ids=positions, encoder_attention_mask=mask).sample
+        loss = flow_matching_loss(pred, x0, noise, t)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    return times, loss
+
+
 def run_variant(name: str, args, device: torch.device) -> dict:
     checkpointing, optimizer_name = VARIANTS[name]
     config = TINY_CONFIG if args.tiny else FULL_CONFIG
@@ -77,44 +111,16 @@ def run_variant(name: str, args, device: torch.device) -> dict:
     except Exception as err:  # bitsandbytes missing: report, do not fail the other variants
         return {"variant": name, "skipped": str(err)}
 
-    grid = args.resolution // 16
-    tokens = grid * grid
-    generator = torch.Generator().manual_seed(0)
-    x0 = torch.randn(args.batch, tokens, 64, generator=generator).to(device)
-    text = torch.randn(args.batch, args.text_len, config["num_text_layers"], config["text_hidden_dim"], generator=generator)
-    text = text.to(device, dtype)
-    mask = torch.ones(args.batch, args.text_len, dtype=torch.bool, device=device)
-    positions = position_ids(args.text_len, grid, grid, device=device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=not args.tiny)
-
-    times = []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    for step in range(args.warmup + args.steps):
-        noise = torch.randn(x0.shape, generator=generator).to(device)
-        t = sample_timesteps(args.batch, tokens, ObjectiveConfig(), generator).to(device)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        with autocast:
-            pred = model(hidden_states=add_noise(x0, noise, t), encoder_hidden_states=text, timestep=t,
-                         position_ids=positions, encoder_attention_mask=mask).sample
-        loss = flow_matching_loss(pred, x0, noise, t)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
+    times, loss = time_steps(model, params, optimizer, config, args, device, autocast=not args.tiny)
     result = {
         "variant": name, "gradient_checkpointing": checkpointing, "optimizer": optimizer_name,
         "s_per_step": sum(times) / len(times), "loss": loss.item(),
         "peak_gib": torch.cuda.max_memory_allocated() / GIB if device.type == "cuda" else None,
         "lora_params": sum(p.numel() for p in params),
     }
-    del model, optimizer, params, pred, loss
+    del model, optimizer, params, loss
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

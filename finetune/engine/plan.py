@@ -11,6 +11,8 @@ keep it (no (S, S) matrix); ``selective`` checkpointing keeps the attention outp
 from __future__ import annotations
 
 import math
+import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -146,3 +148,40 @@ def activation_bytes(measured: dict, mode: str) -> int:
     if mode == "selective":
         kept += sum(measured["block_attention"])
     return measured["rest"] + kept + max(blocks)
+
+
+class HostPeak:
+    """Context manager measuring how much this process's resident memory grows at most inside it:
+    freed heap pages are handed back to the OS first (so reuse does not hide growth), then a
+    thread samples the RSS every ``interval`` seconds. ``growth`` is set on exit (bytes)."""
+
+    def __init__(self, interval: float = 0.002):
+        self.interval = interval
+        self.growth = 0
+
+    def __enter__(self):
+        import ctypes
+
+        import psutil
+
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:  # not glibc: growth may then be understated by reused pages
+            pass
+        self._process = psutil.Process()
+        self._base = self._peak = self._process.memory_info().rss
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._done.is_set():
+            self._peak = max(self._peak, self._process.memory_info().rss)
+            time.sleep(self.interval)
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        self._peak = max(self._peak, self._process.memory_info().rss)
+        self.growth = self._peak - self._base
