@@ -51,6 +51,22 @@ class SyntheticDataConfig:
 
 
 @dataclass
+class StyleReferencesConfig:
+    """Style-reference training: each sample is trained with other images of its style group
+    (never itself) as references, through the pipeline's ``style_mode="reference"`` path."""
+
+    enabled: bool = False
+    max_references: int = 2
+    """Each forward draws 1 to this many references per sample (one count for the whole forward)."""
+    attention: Literal["joint", "cached"] = "joint"
+    """``reference_attention`` of the transformer, as at inference."""
+    strength_range: list[float] = field(default_factory=lambda: [0.3, 1.0])
+    """Strengths drawn uniformly from [low, high], applied as the pipeline's log(s) attention bias."""
+    resolution: int | None = 512
+    """The pipeline's ``style_resolution``: all references share min(target area, resolution^2)."""
+
+
+@dataclass
 class DataConfig:
     path: str | None = None
     """Folder of images with same-name ``.txt`` captions, or a ``.jsonl`` / ``.parquet`` manifest."""
@@ -70,6 +86,7 @@ class DataConfig:
     num_workers: int = 2
     """DataLoader worker processes reading the cache ahead of training (0: in the training process)."""
     prefetch_factor: int = 2
+    style_references: StyleReferencesConfig = field(default_factory=StyleReferencesConfig)
 
 
 @dataclass
@@ -241,6 +258,16 @@ class TrainConfig:
             raise ConfigError("training.offload_blocks and training.compile cannot be combined (the swap hooks run outside compiled code)")
         if self.data.num_workers < 0 or self.data.prefetch_factor <= 0:
             raise ConfigError("data.num_workers must be >= 0 and data.prefetch_factor > 0")
+        refs = self.data.style_references
+        if refs.enabled:
+            from krea2_diffusers.references import MAX_STYLE_REFERENCES
+
+            if not 1 <= refs.max_references <= MAX_STYLE_REFERENCES:
+                raise ConfigError(f"data.style_references.max_references must be in [1, {MAX_STYLE_REFERENCES}], got {refs.max_references}")
+            if len(refs.strength_range) != 2 or not 0 < refs.strength_range[0] <= refs.strength_range[1]:
+                raise ConfigError(f"data.style_references.strength_range must be [low, high] with 0 < low <= high, got {refs.strength_range}")
+            if refs.resolution is not None and refs.resolution < 16:
+                raise ConfigError(f"data.style_references.resolution must be >= 16 pixels or null, got {refs.resolution}")
         if len(self.optimizer.betas) != 2:
             raise ConfigError(f"optimizer.betas needs two values, got {self.optimizer.betas}")
         if self.training.method == "full" and any(f in ("comfyui", "kohya") for f in self.export.formats):

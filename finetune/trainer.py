@@ -91,6 +91,11 @@ class Trainer:
         config, runtime = self.config, self.runtime
         check_output_dir(self.out, config, self.resume)
         self.samples, self.buckets, _ = prepare_samples(config, self.out, runtime)
+        self.style_groups = None
+        if config.data.style_references.enabled:
+            from .data.style_groups import StyleGroups
+
+            self.style_groups = StyleGroups(self.samples, config.data.style_references)
         self.global_batch = self._global_batch()
         self.layout = step_layout(self.global_batch, runtime.rank, runtime.world_size)
         runtime.barrier()
@@ -177,11 +182,21 @@ class Trainer:
     # ---------------------------------------------------------------- one step
     def _to_device(self, item: dict) -> dict:
         device = self.runtime.device
-        batch = {k: v.to(device, non_blocking=True) for k, v in item.items() if k not in ("ids", "grid")}
+        batch = {k: v.to(device, non_blocking=True) for k, v in item.items() if k not in ("ids", "grid", "reference_ids")}
         grid = item["grid"].tolist()
         batch["positions"] = position_ids(item["embeds"].shape[1], grid[0], grid[1], device)
         batch["ids"] = item["ids"].tolist()
+        if "references" in batch:  # style-reference training: [text, image, references]
+            batch["positions"] = torch.cat([batch["positions"], batch.pop("reference_positions")])
+            batch["reference_ids"] = item["reference_ids"].tolist()
         return batch
+
+    def reference_kwargs(self, batch: dict) -> dict:
+        """The transformer's style-reference arguments for a batch (none without references)."""
+        if "references" not in batch:
+            return {}
+        return dict(reference_hidden_states=batch["references"], key_bias=batch["key_bias"],
+                    reference_attention=self.config.data.style_references.attention)
 
     def train_step(self, step: int, items) -> tuple[float, float]:
         """One optimizer step over this process's forwards; returns (loss, grad norm).
@@ -200,6 +215,7 @@ class Trainer:
                 pred = self.model(
                     hidden_states=noisy, encoder_hidden_states=batch["embeds"], timestep=batch["t"],
                     position_ids=batch["positions"], encoder_attention_mask=batch["mask"], return_dict=False,
+                    **self.reference_kwargs(batch),
                 )[0]
             size = len(batch["ids"])
             loss_sum = flow_matching_loss(pred, batch["x0"], batch["noise"], batch["t"], config.objective.loss_weighting) * size
@@ -264,7 +280,7 @@ class Trainer:
     def _dataset(self) -> CachedFeatures:
         config = self.config
         return CachedFeatures(self.cache, self._batches(), self.global_batch, config.training.seed,
-                              config.data.caption_dropout, config.objective)
+                              config.data.caption_dropout, config.objective, getattr(self, "style_groups", None))
 
     def _loader(self):
         config = self.config

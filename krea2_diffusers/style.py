@@ -55,16 +55,24 @@ class StyleBatch:
         if all(s == 1.0 for s in self.strengths):
             return None
         batch, text_len = self.mask.shape
-        bias = torch.zeros(batch, text_len + image_len + self.reference_len)
-        offset = text_len + image_len
-        for k, strength in enumerate(self.strengths):
-            log_s = math.log(strength)
-            for start, end in self.groups[k] if k < len(self.groups) else ():
-                bias[:, start:end] = log_s
-            if k < len(self.latent_groups):
-                start, end = self.latent_groups[k]
-                bias[:, offset + start: offset + end] = log_s
-        return bias
+        bias = strength_bias(self.strengths, self.groups, self.latent_groups, text_len, image_len, self.reference_len)
+        return bias.expand(batch, -1)
+
+
+def strength_bias(strengths: list[float], text_groups: list[list[tuple[int, int]]], latent_groups: list[tuple[int, int]],
+                  text_len: int, image_len: int, reference_len: int) -> torch.Tensor:
+    """(L + N + R,) float: log(s_k) on reference k's text tokens (``text_groups[k]``, ranges in L)
+    and latent tokens (``latent_groups[k]``, ranges in R), 0 elsewhere. Strengths must be > 0."""
+    bias = torch.zeros(text_len + image_len + reference_len)
+    offset = text_len + image_len
+    for k, strength in enumerate(strengths):
+        log_s = math.log(strength)
+        for start, end in text_groups[k] if k < len(text_groups) else ():
+            bias[start:end] = log_s
+        if k < len(latent_groups):
+            start, end = latent_groups[k]
+            bias[offset + start: offset + end] = log_s
+    return bias
 
 
 def reference_area(height: int, width: int, count: int, style_resolution: int | None) -> float:
@@ -128,17 +136,27 @@ def encode_reference_latents(vae, images, area: float, device) -> tuple[torch.Te
     ranges in R, positions (R, 3) at (k, i, j)."""
     import numpy as np
 
-    packed, groups, positions, start = [], [], [], 0
-    for k, image in enumerate(images, start=1):
+    packed, sizes = [], []
+    for image in images:
         h, w = reference_size(image, area)
         pixels = torch.from_numpy(np.asarray(image.convert("RGB").resize((w, h)), dtype=np.float32) / 255.0)
         latents = encode_images(vae, pixels.permute(2, 0, 1)[None].to(device))
-        tokens = pack_latents(latents.float())
-        packed.append(tokens)
-        groups.append((start, start + tokens.shape[1]))
-        start += tokens.shape[1]
-        positions.append(position_ids(0, h // PIXELS_PER_TOKEN, w // PIXELS_PER_TOKEN, device, first_axis=k))
-    return torch.cat(packed, 1), groups, torch.cat(positions)
+        packed.append(pack_latents(latents.float()))
+        sizes.append((h, w))
+    groups, positions = reference_layout(sizes, device)
+    return torch.cat(packed, 1), groups, positions
+
+
+def reference_layout(sizes: list[tuple[int, int]], device=None) -> tuple[list[tuple[int, int]], torch.Tensor]:
+    """Where references of pixel ``sizes`` (h, w) sit after the target: each one's [start, end) token
+    range in R, and positions (R, 3): reference k (from 1) at RoPE (k, i, j)."""
+    groups, positions, start = [], [], 0
+    for k, (h, w) in enumerate(sizes, start=1):
+        grid_h, grid_w = h // PIXELS_PER_TOKEN, w // PIXELS_PER_TOKEN
+        groups.append((start, start + grid_h * grid_w))
+        start += grid_h * grid_w
+        positions.append(position_ids(0, grid_h, grid_w, device, first_axis=k))
+    return groups, torch.cat(positions)
 
 
 def _reference_text(pipe, texts, images, max_sequence_length, device, max_pixels):

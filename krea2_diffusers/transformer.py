@@ -374,6 +374,9 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         return_dict: bool = True,
         *,
         conditioning: Krea2Conditioning | None = None,
+        reference_hidden_states: torch.Tensor | None = None,
+        key_bias: torch.Tensor | None = None,
+        reference_attention: str = "joint",
     ) -> Transformer2DModelOutput | tuple[torch.Tensor]:
         """Predict the flow velocity ``noise - x0`` of the image tokens.
 
@@ -385,13 +388,20 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
             encoder_attention_mask: (B, L) bool, True for real text tokens.
             attention_kwargs: ``{"scale": s}`` scales PEFT LoRA adapters for this call.
             conditioning: the output of :meth:`prepare_conditioning`, reused across steps.
+            reference_hidden_states, key_bias, reference_attention: without ``conditioning``, passed
+                to :meth:`prepare_conditioning` (style references in one call, as training needs);
+                ``position_ids`` then covers [text, image, references].
         Returns:
             velocity (B, N, in_channels) as ``.sample`` (or a 1-tuple).
         """
         if conditioning is None:
             if encoder_hidden_states is None or position_ids is None:
                 raise ValueError("pass encoder_hidden_states and position_ids, or a prepared `conditioning`")
-            conditioning = self.prepare_conditioning(encoder_hidden_states, position_ids, encoder_attention_mask)
+            conditioning = self.prepare_conditioning(
+                encoder_hidden_states, position_ids, encoder_attention_mask, reference_hidden_states=reference_hidden_states,
+                key_bias=key_bias, reference_attention=reference_attention)
+        elif reference_hidden_states is not None or key_bias is not None:
+            raise ValueError("reference_hidden_states and key_bias go into prepare_conditioning; pass them or `conditioning`, not both")
         if timestep is None:
             raise ValueError("timestep is required")
         dtype = self.compute_dtype

@@ -28,6 +28,9 @@ class Sample:
     height: int
     crop: tuple[int, int, int, int] | None = None
     """Optional (left, top, right, bottom) applied before bucketing."""
+    style_id: str | None = None
+    """The style group (a subfolder of the dataset folder, or a manifest's ``style_id``); style-reference
+    training takes a sample's references from the other images of its group."""
 
     @property
     def size(self) -> tuple[int, int]:
@@ -73,7 +76,8 @@ def scan_folder(folder: Path, caption_extension: str = ".txt") -> DatasetScan:
         size = _probe(path, scan)
         if size is not None:
             caption = caption_path.read_text(encoding="utf-8").strip()
-            scan.samples.append(Sample(path, caption, *size))
+            parts = path.relative_to(folder).parts
+            scan.samples.append(Sample(path, caption, *size, style_id=parts[0] if len(parts) > 1 else None))
     return scan
 
 
@@ -96,7 +100,7 @@ def _manifest_rows(path: Path) -> list[dict]:
 
 def scan_manifest(path: Path) -> DatasetScan:
     """Rows need ``path`` (relative to the manifest) and ``caption``; ``width``/``height`` and
-    ``crop`` ([left, top, right, bottom]) are optional."""
+    ``crop`` ([left, top, right, bottom]) and ``style_id`` are optional."""
     scan = DatasetScan()
     for row in _manifest_rows(path):
         image_path = row.get("path") or row.get("image")
@@ -114,7 +118,8 @@ def scan_manifest(path: Path) -> DatasetScan:
         if size is None:
             continue
         crop = tuple(int(v) for v in row["crop"]) if row.get("crop") is not None else None
-        scan.samples.append(Sample(image_path, str(caption).strip(), *size, crop=crop))
+        style_id = None if row.get("style_id") is None else str(row["style_id"])
+        scan.samples.append(Sample(image_path, str(caption).strip(), *size, crop=crop, style_id=style_id))
     return scan
 
 

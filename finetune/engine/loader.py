@@ -119,13 +119,16 @@ class CachedFeatures(Dataset):
     """Item ``(step, Forward)`` -> the tensors of that forward pass, read from the disk cache.
 
     Returns ``x0`` (b, N, 64) packed clean latents, ``noise`` like it, ``t`` (b,), ``embeds``
-    (b, L, layers, dim) with ``mask`` (b, L), ``grid`` (h/2, w/2) and the sample ``ids``.
+    (b, L, layers, dim) with ``mask`` (b, L), ``grid`` (h/2, w/2) and the sample ``ids``. With
+    ``style_groups`` (style-reference training) also ``references`` (b, R, 64),
+    ``reference_positions`` (R, 3), ``key_bias`` (b, L + N + R) and ``reference_ids`` (b, k).
     """
 
     def __init__(self, cache: TrainingCache, batches: BucketBatches, batch: GlobalBatch, seed: int,
-                 caption_dropout: float, objective):
+                 caption_dropout: float, objective, style_groups=None):
         self.cache, self.batches, self.batch = cache, batches, batch
         self.seed, self.caption_dropout, self.objective = seed, caption_dropout, objective
+        self.style_groups = style_groups
 
     def __getitem__(self, item: tuple[int, Forward]) -> dict:
         step, forward = item
@@ -141,8 +144,17 @@ class CachedFeatures(Dataset):
         t = sample_timesteps(n_global, tokens, self.objective, generator)
         drop = (torch.rand(n_global, generator=generator) < self.caption_dropout).tolist()
         embeds, mask = self.cache.text(local, drop[mine])
-        return dict(x0=x0, noise=noise[mine], t=t[mine], embeds=embeds, mask=mask,
+        item = dict(x0=x0, noise=noise[mine], t=t[mine], embeds=embeds, mask=mask,
                     grid=torch.tensor([latents.shape[2] // 2, latents.shape[3] // 2]), ids=torch.tensor(local))
+        if self.style_groups is not None:
+            from ..data.style_groups import reference_inputs
+
+            # Drawn after the noise for the whole global micro-batch: any process split sees the same.
+            references, strengths = self.style_groups.draw(global_ids, generator)
+            item.update(reference_inputs(self.cache, references[mine], strengths[mine], tuple(latents.shape[2:]),
+                                         embeds.shape[1], self.style_groups.config.resolution))
+            item["reference_ids"] = torch.tensor(references[mine])
+        return item
 
     def __len__(self) -> int:  # map-style, indexed by the sampler's items
         raise TypeError("CachedFeatures is indexed by (step, Forward) items from ResumableSampler")
