@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from finetune.config import ConfigError, _from_dict
+from finetune.config import ConfigError, config_from_dict
 
 
 @dataclass
@@ -135,6 +135,6 @@ def load_config(path: str | Path | None) -> CurationConfig:
         raw = yaml.safe_load(path.read_text()) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping")
-    config = _from_dict(CurationConfig, raw)
+    config = config_from_dict(CurationConfig, raw)
     config.validate()
     return config

@@ -42,8 +42,8 @@ def load_text_encoder(spec: str, dtype: torch.dtype = torch.bfloat16, device=Non
         parts = _tiny()
         model, tokenizer = parts["text_encoder"], parts["tokenizer"]
     else:
-        model = assembly._load_text_encoder(spec, dtype)
-        tokenizer = assembly._load_tokenizer(None, spec)
+        model = assembly.load_text_encoder(spec, dtype)
+        tokenizer = assembly.load_tokenizer(None, spec)
     model.requires_grad_(False).eval()
     return TextEncoder(model.to(device) if device is not None else model, tokenizer)
 
@@ -51,6 +51,6 @@ def load_text_encoder(spec: str, dtype: torch.dtype = torch.bfloat16, device=Non
 def load_vae(spec: str, dtype: torch.dtype = torch.float32, device=None) -> torch.nn.Module:
     from krea2_diffusers import assembly
 
-    vae = _tiny()["vae"] if is_tiny(spec) else assembly._load_vae(spec, dtype)
+    vae = _tiny()["vae"] if is_tiny(spec) else assembly.load_vae(spec, dtype)
     vae.requires_grad_(False).eval()
     return vae.to(device) if device is not None else vae

@@ -320,7 +320,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return _from_dict(tp, value, where)
+        return config_from_dict(tp, value, where)
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true/false, got {value!r}")
@@ -344,7 +344,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     raise ConfigError(f"{where}: unsupported type {_type_name(tp)}")
 
 
-def _from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+def config_from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
@@ -398,7 +398,7 @@ def build_config(raw: dict[str, Any], overrides: list[str] = (), cls: type = Tra
         node[path[-1]] = value
     if raw.get("recipe"):
         raw = _deep_merge(recipe_defaults(raw["recipe"]), raw)
-    config = _from_dict(cls, raw)
+    config = config_from_dict(cls, raw)
     config.validate()
     return config
 

