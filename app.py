@@ -25,16 +25,16 @@ import gradio as gr
 import torch
 
 from krea2_diffusers import Krea2Pipeline
-from krea2_diffusers.assembly import load_pipeline
+from krea2_diffusers.loaders.assembly import load_pipeline
 from krea2_diffusers.files import split_path_and_number
 from krea2_diffusers.limits import (
     CREATIVITY, GUIDANCE_CONVENTION, MAX_SEED, SIZE_PRESETS, STYLE_MODES, TEST_SIZE_PRESETS, InputError, Limits,
     Request, check,
 )
-from krea2_diffusers.memory import MEMORY_PRESETS, apply_memory_preset
+from krea2_diffusers.pipelines.memory import MEMORY_PRESETS, apply_memory_preset
 from krea2_diffusers.metadata import save_png
 from krea2_diffusers.presets import looks_distilled, preset_for
-from krea2_diffusers.tiny import is_tiny
+from krea2_diffusers.models.tiny import is_tiny
 
 GUIDANCE_LABEL = "Guidance (Krea scale: 0 = off; the usual CFG scale is this + 1)"
 REFERENCE_SLOTS = 4  # style-reference inputs of the UI and of /generate

@@ -74,7 +74,7 @@ def build_files(folder: Path, layers: int) -> None:
     """Random fp32 model (variance-preserving init) saved as fp32/bf16 safetensors and every GGUF type."""
     from krea2_diffusers import Krea2Transformer2DModel, convert_diffusers_to_original
     from krea2_diffusers.files import save_safetensors
-    from krea2_diffusers.gguf import quantize_checkpoint
+    from krea2_diffusers.quantization.gguf import quantize_checkpoint
 
     torch.manual_seed(0)
     model = Krea2Transformer2DModel(**CONFIG, num_layers=layers).eval()
@@ -106,7 +106,7 @@ def load(fmt: str, folder: Path):
         model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32,
                                        skip_modules_pattern=("time_embed", "norm", "img_in"))
     elif fmt in ("int8", "nf4"):
-        from krea2_diffusers.bnb import quantize_transformer_
+        from krea2_diffusers.quantization.bnb import quantize_transformer_
 
         quantize_transformer_(model, fmt, compute_dtype=torch.float32)
     return model
@@ -114,8 +114,8 @@ def load(fmt: str, folder: Path):
 
 def measure(fmt: str, folder: Path, steps: int) -> dict:
     """Runs in the child process: load, then time ``steps`` forward passes."""
-    import krea2_diffusers.transformer  # noqa: F401  (imports are not part of the load cost)
-    from krea2_diffusers.gguf import resident_bytes
+    import krea2_diffusers.models.transformer  # noqa: F401  (imports are not part of the load cost)
+    from krea2_diffusers.quantization.gguf import resident_bytes
 
     torch.set_num_threads(os.cpu_count() or 1)
     before = reset_peak_rss()

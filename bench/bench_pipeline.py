@@ -28,7 +28,7 @@ def build(seed: int = 0, components: str = "proportioned"):
     import diffusers
 
     from krea2_diffusers import Krea2Pipeline
-    from krea2_diffusers.tiny import tiny_components
+    from krea2_diffusers.models.tiny import tiny_components
 
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
@@ -55,7 +55,7 @@ def _proportion(parts: dict, generator) -> None:
     from transformers import Qwen3VLForConditionalGeneration
 
     from krea2_diffusers import Krea2Transformer2DModel
-    from krea2_diffusers.tiny import randomize_, tiny_text_encoder_config
+    from krea2_diffusers.models.tiny import randomize_, tiny_text_encoder_config
 
     te_config = tiny_text_encoder_config()
     te_config.text_config.hidden_size = TRANSFORMER["text_hidden_dim"]

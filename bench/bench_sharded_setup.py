@@ -50,7 +50,7 @@ def main() -> None:
     if args.worker:
         worker(*args.worker)
         return
-    from krea2_diffusers.tiny import proportioned_transformer_config, save_random_original_file
+    from krea2_diffusers.models.tiny import proportioned_transformer_config, save_random_original_file
 
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp, "medium.safetensors")

@@ -88,7 +88,7 @@ def default_component(kind: str, hub_id: str) -> str:
 
 def memory_presets() -> list[str]:
     """The library's memory presets: ``auto`` sizes the plan to the GPU, ``high`` keeps everything on it."""
-    from krea2_diffusers.memory import MEMORY_PRESETS
+    from krea2_diffusers.pipelines.memory import MEMORY_PRESETS
 
     return list(MEMORY_PRESETS)
 
@@ -119,8 +119,8 @@ class LoadSpec:
 def load_pipeline(spec: LoadSpec):
     """Build the Krea2Pipeline ``spec`` describes and fit it onto ComfyUI's device with its memory preset."""
     from krea2_diffusers import Krea2Pipeline
-    from krea2_diffusers.assembly import load_pipeline as load
-    from krea2_diffusers.memory import apply_memory_preset
+    from krea2_diffusers.loaders.assembly import load_pipeline as load
+    from krea2_diffusers.pipelines.memory import apply_memory_preset
 
     path = _lookup(transformer_choices(), spec.model, "model", "diffusion_models")
     components = {}

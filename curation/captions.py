@@ -3,8 +3,8 @@ and short rewrites of it by the same model; all three stored per image.
 
 The default VLM is our pipeline's own Qwen3-VL text encoder with its LM head (a Krea 2 folder, its
 ``text_encoder`` folder, or any Qwen-VL id transformers loads), driven through the library's
-image-description path (``krea2_diffusers.descriptions.describe_image``) and text sampler
-(``krea2_diffusers.expander``); ``tiny-random`` is the tiny random pipeline's for tests.
+image-description path (``krea2_diffusers.conditioning.descriptions.describe_image``) and text sampler
+(``krea2_diffusers.conditioning.expander``); ``tiny-random`` is the tiny random pipeline's for tests.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ CAPTION_SAMPLING = dict(temperature=0.3, top_k=20, top_p=0.9, repetition_penalty
 def load_captioner(name: str):
     """(model, tokenizer) of a Qwen-VL captioner: ``tiny-random``, a Krea 2 pipeline folder (its
     ``text_encoder`` + ``tokenizer``), or a model folder / hub id."""
-    from krea2_diffusers.expander import load_expander
+    from krea2_diffusers.conditioning.expander import load_expander
 
     folder = Path(name)
     if (folder / "text_encoder").is_dir() and (folder / "tokenizer").is_dir():
@@ -56,7 +56,7 @@ class CaptionJob:
         return "Caption this image."
 
     def _rewrite(self, instruction: str, caption: str, seed: int) -> str:
-        from krea2_diffusers.expander import chat_input_ids, clean_generated_text, sample_text
+        from krea2_diffusers.conditioning.expander import chat_input_ids, clean_generated_text, sample_text
 
         ids = chat_input_ids(self.tokenizer, [{"role": "system", "content": instruction}, {"role": "user", "content": caption}])
         kwargs = dict(do_sample=True, max_new_tokens=self.config.rewrite_max_new_tokens, **CAPTION_SAMPLING)
@@ -66,7 +66,7 @@ class CaptionJob:
         return clean_generated_text(raw, tuple(getattr(self.tokenizer, "all_special_tokens", ())))
 
     def caption(self, image, source_text: str | None, seed: int) -> dict[str, str]:
-        from krea2_diffusers.descriptions import describe_image
+        from krea2_diffusers.conditioning.descriptions import describe_image
 
         long = describe_image(self.model, self.tokenizer, image, LONG_INSTRUCTION, self._request(source_text), seed=seed,
                               max_new_tokens=self.config.max_new_tokens, max_pixels=self.config.max_pixels,

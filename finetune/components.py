@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from krea2_diffusers.tiny import is_tiny
+from krea2_diffusers.models.tiny import is_tiny
 
 
 @dataclass
@@ -21,7 +21,7 @@ class TextEncoder:
     @torch.no_grad()
     def encode(self, prompts: list[str], max_sequence_length: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """embeds (B, L, 12, text_dim) and mask (B, L) bool, L = the longest prompt's tokens."""
-        from krea2_diffusers.conditioning import encode_prompts
+        from krea2_diffusers.conditioning.text import encode_prompts
 
         embeds, mask = encode_prompts(self.model, self.tokenizer, prompts, max_sequence_length=max_sequence_length, device=device)
         return embeds, mask.bool()
@@ -30,7 +30,7 @@ class TextEncoder:
 @functools.lru_cache(maxsize=1)
 def _tiny():
     """One tiny pipeline's components (frozen, so the text encoder and VAE may share the build)."""
-    from krea2_diffusers.tiny import tiny_components
+    from krea2_diffusers.models.tiny import tiny_components
 
     return tiny_components()
 

@@ -260,7 +260,7 @@ class TrainConfig:
             raise ConfigError("data.num_workers must be >= 0 and data.prefetch_factor > 0")
         refs = self.data.style_references
         if refs.enabled:
-            from krea2_diffusers.references import MAX_STYLE_REFERENCES
+            from krea2_diffusers.conditioning.references import MAX_STYLE_REFERENCES
 
             if not 1 <= refs.max_references <= MAX_STYLE_REFERENCES:
                 raise ConfigError(f"data.style_references.max_references must be in [1, {MAX_STYLE_REFERENCES}], got {refs.max_references}")

@@ -43,7 +43,7 @@ def _meta_inputs(config: TrainConfig, transformer_config: dict, dtype: torch.dty
 
 def _frozen_bytes(model: nn.Module, quantize: str) -> int:
     """Resident bytes of the frozen tensors; bitsandbytes layers by their packed size."""
-    from krea2_diffusers.bnb import TRANSFORMER_KEEP, _skipper
+    from krea2_diffusers.quantization.bnb import TRANSFORMER_KEEP, _skipper
 
     total = tensor_bytes(t for t in model.buffers())
     skip = _skipper(TRANSFORMER_KEEP)

@@ -1,5 +1,5 @@
 """What the trainer trains: the pipeline (through the library's one loader,
-:func:`krea2_diffusers.assembly.load_pipeline`), the transformer built sharded from the meta
+:func:`krea2_diffusers.loaders.assembly.load_pipeline`), the transformer built sharded from the meta
 device for a full fine-tune, and the Turbo transformer for validation."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from krea2_diffusers import Krea2Pipeline, Krea2Transformer2DModel
-from krea2_diffusers.assembly import LOAD
-from krea2_diffusers.assembly import load_pipeline as assemble_pipeline
-from krea2_diffusers.tiny import is_tiny
+from krea2_diffusers.loaders.assembly import LOAD
+from krea2_diffusers.loaders.assembly import load_pipeline as assemble_pipeline
+from krea2_diffusers.models.tiny import is_tiny
 
 from .config import ModelConfig, TrainConfig
 
@@ -38,13 +38,13 @@ def release_encoders(pipe: Krea2Pipeline, device: torch.device) -> None:
 
 def transformer_weights(config: ModelConfig):
     """(transformer config kwargs, weight source) without reading any weight."""
-    from krea2_diffusers.loading import locate_transformer_tensors
+    from krea2_diffusers.loaders.single_file import locate_transformer_tensors
 
     from .engine.weights import FileWeights, MemoryWeights
 
     name = config.pretrained_model_name_or_path
     if is_tiny(name):
-        from krea2_diffusers.tiny import tiny_components
+        from krea2_diffusers.models.tiny import tiny_components
 
         transformer = tiny_components()["transformer"]
         return _plain_config(transformer), MemoryWeights(transformer.state_dict())

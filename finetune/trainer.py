@@ -267,7 +267,7 @@ class Trainer:
         return written
 
     def lora_layers(self):
-        from krea2_diffusers.lora import lora_layers_from_diffusers_state_dict
+        from krea2_diffusers.loaders.lora import lora_layers_from_diffusers_state_dict
 
         state = full_state_dict(self.model, self.runtime, trainable_only=True)
         return lora_layers_from_diffusers_state_dict(state, self.config.lora.alpha, self.config.lora.rank)

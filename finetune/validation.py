@@ -65,7 +65,7 @@ class Validator:
         return saved
 
     def _turbo_with(self, lora_layers):
-        from krea2_diffusers.lora import apply_lora_layers
+        from krea2_diffusers.loaders.lora import apply_lora_layers
 
         from .model import load_turbo_pipeline
 

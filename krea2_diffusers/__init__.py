@@ -17,16 +17,16 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(lambda record: BITS
 # Public name -> the module defining it.
 _EXPORTS = {
     "CheckpointError": ".files",
-    "Krea2Conditioning": ".transformer",
-    "Krea2Img2ImgPipeline": ".pipelines",
-    "Krea2InpaintPipeline": ".pipelines",
-    "Krea2Pipeline": ".pipeline",
-    "Krea2PipelineOutput": ".pipeline",
-    "Krea2Transformer2DModel": ".transformer",
+    "Krea2Conditioning": ".models.transformer",
+    "Krea2Img2ImgPipeline": ".pipelines.img2img",
+    "Krea2InpaintPipeline": ".pipelines.inpaint",
+    "Krea2Pipeline": ".pipelines.text_to_image",
+    "Krea2PipelineOutput": ".pipelines.text_to_image",
+    "Krea2Transformer2DModel": ".models.transformer",
     "RAW": ".presets",
     "TURBO": ".presets",
-    "convert_diffusers_to_original": ".convert",
-    "convert_original_to_diffusers": ".convert",
+    "convert_diffusers_to_original": ".loaders.convert",
+    "convert_original_to_diffusers": ".loaders.convert",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -16,11 +16,11 @@ class SamplerPreset:
 RAW = SamplerPreset("raw", num_inference_steps=52, guidance_scale=3.5, is_distilled=False)
 TURBO = SamplerPreset("turbo", num_inference_steps=8, guidance_scale=0.0, is_distilled=True)
 
-# How style-reference tokens attend (see ``transformer.Krea2Transformer2DModel.prepare_conditioning``):
+# How style-reference tokens attend (see ``models.transformer.Krea2Transformer2DModel.prepare_conditioning``):
 # "joint" (to every token, as the community LoRA was trained) or "cached" (only among themselves).
 REFERENCE_ATTENTION = ("joint", "cached")
 
-# The memory knob's values (see ``memory.apply_memory_preset``), here so the CLI needs no torch to list them.
+# The memory knob's values (see ``pipelines.memory.apply_memory_preset``), here so the CLI needs no torch to list them.
 MEMORY_PRESETS = ("auto", "high", "24gb", "16gb", "12gb", "8gb")
 
 # Substrings of a checkpoint's file or folder name that mark the distilled release.

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from krea2_diffusers import Krea2Pipeline, Krea2Transformer2DModel
-from krea2_diffusers.tiny import randomize_
+from krea2_diffusers.models.tiny import randomize_
 
 
 def small_config(**overrides) -> dict:

@@ -9,8 +9,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf import quants as gguf_quants
 
-from krea2_diffusers.convert import convert_diffusers_to_original
-from krea2_diffusers.transformer import Krea2Transformer2DModel
+from krea2_diffusers.loaders.convert import convert_diffusers_to_original
+from krea2_diffusers.models.transformer import Krea2Transformer2DModel
 
 Q = GGMLQuantizationType
 
@@ -65,7 +65,7 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def community_type(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType) -> GGMLQuantizationType:
-    """The community keep-in-F32 rules, restated here independently of krea2_diffusers.gguf.rules."""
+    """The community keep-in-F32 rules, restated here independently of krea2_diffusers.quantization.gguf.rules."""
     if len(shape) < 2 or int(np.prod(shape)) <= SMALL or name.startswith(KEEP_PREFIXES):
         return Q.F32
     return qtype
@@ -76,7 +76,7 @@ def encode(values: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     try:
         return gguf_quants.quantize(values, qtype)
     except NotImplementedError:
-        from krea2_diffusers.gguf.quantizer import quantize
+        from krea2_diffusers.quantization.gguf.quantizer import quantize
 
         return quantize(values, qtype)
 

@@ -15,11 +15,11 @@ from safetensors.torch import load_file, safe_open
 from krea2_diffusers import CheckpointError, Krea2Pipeline, Krea2Transformer2DModel, convert_diffusers_to_original
 from krea2_diffusers.cli import main
 from krea2_diffusers.files import save_safetensors
-from krea2_diffusers.fp8 import Fp8Linear, quantize_weight
+from krea2_diffusers.quantization.fp8 import Fp8Linear, quantize_weight
 from krea2_diffusers.loaders import comfy_fp8
 from krea2_diffusers.loaders.text_encoder import load_text_encoder_file, text_encoder_state_dict
 from krea2_diffusers.loaders.vae import diffusers_to_wan, load_vae_file, save_wan_vae
-from krea2_diffusers.tiny import tiny_components, tiny_text_encoder_config, tiny_transformer_config
+from krea2_diffusers.models.tiny import tiny_components, tiny_text_encoder_config, tiny_transformer_config
 
 PUBLISHED_MODE = 0o644
 
@@ -252,7 +252,7 @@ def test_gguf_from_all_bf16_source_keeps_modulation_tables_f32(tmp_path):
 
 
 def test_convert_and_lora_export_are_readable_by_others(original_file, tmp_path):
-    from krea2_diffusers.lora import LoraLayer, lora_metadata, save_lora_file
+    from krea2_diffusers.loaders.lora import LoraLayer, lora_metadata, save_lora_file
 
     out = tmp_path / "diffusers_folder"
     assert main(["convert", str(original_file), str(out)]) == 0

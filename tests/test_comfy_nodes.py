@@ -277,9 +277,9 @@ def test_lora_nodes_change_the_image_and_come_off_again(models_dir, tiny_model):
 
 
 def test_choices_match_the_library():
-    from krea2_diffusers.expander import CREATIVITY_LEVELS
-    from krea2_diffusers.memory import MEMORY_PRESETS
-    from krea2_diffusers.style import STYLE_MODES
+    from krea2_diffusers.conditioning.expander import CREATIVITY_LEVELS
+    from krea2_diffusers.pipelines.memory import MEMORY_PRESETS
+    from krea2_diffusers.conditioning.style import STYLE_MODES
 
     assert nodes.CREATIVITY == list(CREATIVITY_LEVELS) and nodes.STYLE_MODES == tuple(STYLE_MODES)
     assert declared_inputs(nodes.Krea2ModelLoader)["memory"][0] == list(MEMORY_PRESETS)

@@ -57,7 +57,7 @@ def _write_models(base: Path) -> None:
     from krea2_diffusers.files import save_safetensors
     from krea2_diffusers.loaders.text_encoder import text_encoder_state_dict
     from krea2_diffusers.loaders.vae import save_wan_vae
-    from krea2_diffusers.tiny import TEXT_HIDDEN, randomize_, tiny_components, tiny_transformer_config
+    from krea2_diffusers.models.tiny import TEXT_HIDDEN, randomize_, tiny_components, tiny_transformer_config
 
     parts = tiny_components(seed=5)
     save_safetensors(text_encoder_state_dict(parts["text_encoder"]), base / "models" / "text_encoders" / TE_FILE)

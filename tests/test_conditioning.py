@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from krea2_diffusers.conditioning import ASSISTANT_SUFFIX, SYSTEM_PREFIX, TAPPED_LAYERS, template_counts, tokenize_prompts
-from krea2_diffusers.tokenizer import qwen_tokenizer
+from krea2_diffusers.conditioning.text import ASSISTANT_SUFFIX, SYSTEM_PREFIX, TAPPED_LAYERS, template_counts, tokenize_prompts
+from krea2_diffusers.conditioning.tokenizer import qwen_tokenizer
 
 PROMPTS = ["a red fox sitting in fresh snow, golden hour", "two cats", "x " * 600]
 
@@ -48,7 +48,7 @@ def test_encoding_matches_diffusers(tiny_pipe, oracle_pipe):
 
 
 def test_encoding_accepts_model_without_lm_head(tiny_pipe):
-    from krea2_diffusers.conditioning import encode_prompts
+    from krea2_diffusers.conditioning.text import encode_prompts
 
     full = encode_prompts(tiny_pipe.text_encoder, tiny_pipe.tokenizer, ["a cat"])
     base = encode_prompts(tiny_pipe.text_encoder.model, tiny_pipe.tokenizer, ["a cat"])
@@ -57,7 +57,7 @@ def test_encoding_accepts_model_without_lm_head(tiny_pipe):
 
 def test_position_ids_are_explicit(tiny_pipe):
     """Relying on the encoder's default positions would shift the suffix (the transformers 5.x bug)."""
-    from krea2_diffusers.conditioning import base_text_model, text_position_ids
+    from krea2_diffusers.conditioning.text import base_text_model, text_position_ids
 
     ids, mask, prefix = tokenize_prompts(tiny_pipe.tokenizer, ["a long prompt about a fox in the snow", "hi"])
     model = base_text_model(tiny_pipe.text_encoder)
@@ -73,7 +73,7 @@ def test_position_ids_are_explicit(tiny_pipe):
 
 @pytest.mark.parametrize("bad", [[], [1, 2], None])
 def test_bad_prompts(tiny_pipe, bad):
-    from krea2_diffusers.conditioning import encode_prompts
+    from krea2_diffusers.conditioning.text import encode_prompts
 
     with pytest.raises(ValueError):
         encode_prompts(tiny_pipe.text_encoder, tiny_pipe.tokenizer, bad)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from krea2_diffusers.cli import main as cli_main
-from krea2_diffusers.expander import (
+from krea2_diffusers.conditioning.expander import (
     CREATIVITY_LEVELS, CREATIVITY_SETTINGS, clean_generated_text, expand_prompts, strip_reasoning,
 )
 

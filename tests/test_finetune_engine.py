@@ -15,7 +15,7 @@ from finetune.engine import checkpoint as ckpt
 from finetune.engine.loader import GlobalBatch, LayoutError, step_layout
 from finetune.engine.weights import FileWeights, load_local_shards_
 from krea2_diffusers.files import write_safetensors_streaming
-from krea2_diffusers.loading import TensorLocation
+from krea2_diffusers.loaders.single_file import TensorLocation
 
 
 def _runtime():

@@ -26,7 +26,7 @@ from finetune.config import build_config
 from finetune.export import model_tensors
 from finetune.metrics import read_metrics
 from finetune.trainer import Trainer
-from krea2_diffusers.tiny import proportioned_transformer_config, save_random_original_file
+from krea2_diffusers.models.tiny import proportioned_transformer_config, save_random_original_file
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import finetune.data.encoding
-import krea2_diffusers.style
+import krea2_diffusers.conditioning.style
 from finetune.config import ConfigError, build_config
 from finetune.data import DatasetError
 from finetune.data.dataset import scan_dataset
@@ -104,7 +104,7 @@ def test_style_lora_moves_samples_toward_the_referenced_group(trained, monkeypat
     samples = trainer.samples
     latents = finetune.data.encoding.pack_latents(torch.cat([trainer.cache.latents([i]) for i in range(len(samples))]))
     targets = {name: latents[[i for i, s in enumerate(samples) if s.style_id == name]].mean(0) for name in GROUPS}
-    monkeypatch.setattr(krea2_diffusers.style, "encode_images", pooled_latents)  # reference latents as cached
+    monkeypatch.setattr(krea2_diffusers.conditioning.style, "encode_images", pooled_latents)  # reference latents as cached
 
     pipe = Krea2Pipeline.from_pretrained("tiny-random")
     pipe.set_progress_bar_config(disable=True)

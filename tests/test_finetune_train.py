@@ -21,7 +21,7 @@ from finetune.data import DatasetError, scan_dataset
 from finetune.metrics import read_metrics
 from finetune.trainer import NonFiniteLossError, RunDirectoryError, Trainer, train
 from krea2_diffusers import Krea2Pipeline
-from krea2_diffusers.lora import read_lora_file
+from krea2_diffusers.loaders.lora import read_lora_file
 
 _CHANNEL_MAP = torch.randn(16, 3, generator=torch.Generator().manual_seed(0))
 
@@ -160,7 +160,7 @@ def test_diffusers_file_loads_into_diffusers_transformer(trained):
     ours = _fresh_pipe().transformer
     theirs = diffusers.Krea2Transformer2DModel(**dict(ours.config))
     theirs.load_state_dict(ours.state_dict())
-    from krea2_diffusers.lora import load_lora_into_transformer
+    from krea2_diffusers.loaders.lora import load_lora_into_transformer
 
     path = result.output_dir / "lora_diffusers.safetensors"
     load_lora_into_transformer(ours, path)

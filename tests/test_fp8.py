@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from krea2_diffusers.fp8 import FP8_MAX, Fp8Linear, quantize_transformer_fp8_
-from krea2_diffusers.tiny import tiny_components
+from krea2_diffusers.quantization.fp8 import FP8_MAX, Fp8Linear, quantize_transformer_fp8_
+from krea2_diffusers.models.tiny import tiny_components
 
 
 def linear(out=6, inp=5, seed=0):

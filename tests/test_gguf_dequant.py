@@ -8,8 +8,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from krea2_diffusers.gguf.dequant import dequantize
-from krea2_diffusers.gguf.quantizer import quantize
+from krea2_diffusers.quantization.gguf.dequant import dequantize
+from krea2_diffusers.quantization.gguf.quantizer import quantize
 
 Q = GGMLQuantizationType
 PACKED = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]

@@ -10,8 +10,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf_support import make_model, write_with_gguf_writer
 
-from krea2_diffusers.gguf import GGUFFormatError, load_gguf_transformer
-from krea2_diffusers.transformer import Krea2Transformer2DModel
+from krea2_diffusers.quantization.gguf import GGUFFormatError, load_gguf_transformer
+from krea2_diffusers.models.transformer import Krea2Transformer2DModel
 
 Q = GGMLQuantizationType
 

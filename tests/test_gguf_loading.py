@@ -10,8 +10,8 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf_support import TINY_GGUF_CONFIG, make_inputs, make_model, relative_error, run_model, write_with_gguf_writer
 
-from krea2_diffusers.gguf import PackedLinear, load_gguf_transformer, resident_bytes
-from krea2_diffusers.transformer import Krea2Transformer2DModel
+from krea2_diffusers.quantization.gguf import PackedLinear, load_gguf_transformer, resident_bytes
+from krea2_diffusers.models.transformer import Krea2Transformer2DModel
 
 Q = GGMLQuantizationType
 

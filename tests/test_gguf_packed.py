@@ -10,8 +10,8 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 from gguf_support import make_inputs, make_model, relative_error, run_model, write_with_gguf_writer
 
-from krea2_diffusers.gguf import PackedLinear, load_gguf_transformer
-from krea2_diffusers.transformer import Krea2Transformer2DModel
+from krea2_diffusers.quantization.gguf import PackedLinear, load_gguf_transformer
+from krea2_diffusers.models.transformer import Krea2Transformer2DModel
 
 Q = GGMLQuantizationType
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "to_gate", "ff.gate", "ff.up", "ff.down"]
@@ -112,7 +112,7 @@ def test_lora_trains_on_packed_base(q8_model):
 def test_community_lora_file_applies_on_gguf_model(q8_model):
     """A native/ComfyUI-format LoRA through the package's LoRA loader lands on the packed layers,
     and its effect on a layer is exactly B @ A @ x (alpha = rank)."""
-    from krea2_diffusers.lora import load_lora_into_transformer
+    from krea2_diffusers.loaders.lora import load_lora_into_transformer
 
     g = torch.Generator().manual_seed(5)
     rank = 4
@@ -138,7 +138,7 @@ def test_community_lora_file_applies_on_gguf_model(q8_model):
 def test_dequantizes_on_the_inputs_device(monkeypatch):
     """Packed bytes kept on the CPU (offload) travel to the input's device and are expanded there
     (on CUDA in real use; ``meta`` stands in for it here), never expanded on the CPU per call."""
-    from krea2_diffusers.gguf import packed as packed_module
+    from krea2_diffusers.quantization.gguf import packed as packed_module
 
     layer, _, _ = packed_layer(Q.Q8_0)
     seen = []

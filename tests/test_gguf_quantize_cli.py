@@ -13,10 +13,10 @@ from gguf_support import community_type, make_inputs, make_model, relative_error
 from test_gguf_loading import OUTPUT_ERROR_BOUND
 
 from krea2_diffusers.cli import main
-from krea2_diffusers.convert import convert_diffusers_to_original
+from krea2_diffusers.loaders.convert import convert_diffusers_to_original
 from krea2_diffusers.files import save_safetensors
-from krea2_diffusers.gguf import PackedLinear
-from krea2_diffusers.transformer import Krea2Transformer2DModel
+from krea2_diffusers.quantization.gguf import PackedLinear
+from krea2_diffusers.models.transformer import Krea2Transformer2DModel
 
 Q = GGMLQuantizationType
 CLI_TYPES = ["Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q4_0"]
@@ -117,7 +117,7 @@ def test_bad_inputs_fail_cleanly(checkpoint, tmp_path, capsys):
 def test_k_quant_falls_back_for_narrow_rows(tmp_path):
     """Rows that are not whole 256-blocks (the 64-wide tiny-random model) get a 32-block type of
     similar size, as the community converters do, and the file still loads."""
-    from krea2_diffusers.tiny import tiny_transformer_config
+    from krea2_diffusers.models.tiny import tiny_transformer_config
 
     model = Krea2Transformer2DModel(**tiny_transformer_config()).eval()
     src, out = tmp_path / "tiny-random.safetensors", tmp_path / "tiny-random-Q4_K.gguf"

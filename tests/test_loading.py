@@ -8,7 +8,7 @@ import torch
 
 from krea2_diffusers import CheckpointError, Krea2Transformer2DModel, convert_diffusers_to_original, convert_original_to_diffusers
 from krea2_diffusers.files import save_safetensors
-from krea2_diffusers.loading import infer_config_from_shapes
+from krea2_diffusers.loaders.single_file import infer_config_from_shapes
 
 from conftest import random_state_dict, small_config
 

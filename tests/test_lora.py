@@ -7,9 +7,9 @@ from safetensors.torch import save_file
 
 from krea2_diffusers import Krea2Transformer2DModel
 from krea2_diffusers.latents import position_ids
-from krea2_diffusers.lora import (FORMATS, LoraFormatError, LoraLayer, detect_format, load_lora_into_transformer,
+from krea2_diffusers.loaders.lora import (FORMATS, LoraFormatError, LoraLayer, detect_format, load_lora_into_transformer,
                                   lora_layers_from_peft, lora_metadata, read_lora_file, save_lora_file, set_lora_strength)
-from krea2_diffusers.tiny import tiny_transformer_config
+from krea2_diffusers.models.tiny import tiny_transformer_config
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from krea2_diffusers import Krea2Pipeline
-from krea2_diffusers.memory import (
+from krea2_diffusers.pipelines.memory import (
     GIB,
     MEMORY_PRESETS,
     MemoryPlan,
@@ -132,7 +132,7 @@ def test_preset_description_and_auto_on_cpu(prompt_embeds, reference):
 
 
 def test_bitsandbytes_missing_is_a_clear_error(monkeypatch):
-    from krea2_diffusers.bnb import BitsAndBytesUnavailable, quantize_transformer_
+    from krea2_diffusers.quantization.bnb import BitsAndBytesUnavailable, quantize_transformer_
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # makes `import bitsandbytes` fail
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
@@ -140,7 +140,7 @@ def test_bitsandbytes_missing_is_a_clear_error(monkeypatch):
         quantize_transformer_(model, "nf4")
     assert type(model[0]) is torch.nn.Linear  # nothing was changed
     with pytest.raises(ValueError, match="nf4', 'int8"):
-        from krea2_diffusers.bnb import quantize_linears_
+        from krea2_diffusers.quantization.bnb import quantize_linears_
 
         quantize_linears_(model, "fp4")
 
@@ -175,9 +175,9 @@ PROPORTIONED = dict(
 )
 MEASURE = """
 import json, os, sys, torch
-from krea2_diffusers.memory import ACTIVATION_HEADROOM, component_bytes, plan_memory
-from krea2_diffusers.tiny import tiny_text_encoder_config, tiny_vae_config
-from krea2_diffusers.transformer import Krea2Transformer2DModel
+from krea2_diffusers.pipelines.memory import ACTIVATION_HEADROOM, component_bytes, plan_memory
+from krea2_diffusers.models.tiny import tiny_text_encoder_config, tiny_vae_config
+from krea2_diffusers.models.transformer import Krea2Transformer2DModel
 from diffusers import AutoencoderKLQwenImage
 from transformers import Qwen3VLForConditionalGeneration
 
@@ -229,10 +229,10 @@ def test_nf4_leaves_loaded_lora_matrices_alone():
     pytest.importorskip("bitsandbytes")
     from peft import LoraConfig
 
-    from krea2_diffusers.bnb import quantize_transformer_
-    from krea2_diffusers.tiny import tiny_transformer_config
+    from krea2_diffusers.quantization.bnb import quantize_transformer_
+    from krea2_diffusers.models.tiny import tiny_transformer_config
 
-    from krea2_diffusers.transformer import Krea2Transformer2DModel
+    from krea2_diffusers.models.transformer import Krea2Transformer2DModel
 
     transformer = Krea2Transformer2DModel(**tiny_transformer_config()).eval()
     transformer.add_adapter(LoraConfig(r=2, target_modules=["to_q"], init_lora_weights=False))

@@ -72,7 +72,7 @@ def test_distilled_4_step_student_moves_toward_the_teachers_guided_many_step_sam
 
 
 def test_lora_distillation_trains_two_adapters_and_exports_the_students(tmp_path):
-    from krea2_diffusers.lora import read_lora_file
+    from krea2_diffusers.loaders.lora import read_lora_file
 
     config = {
         "output_dir": str(tmp_path / "run"), "method": "distill",

@@ -197,7 +197,7 @@ def test_the_pinned_configs_are_valid_as_written():
 # ------------------------------------------------------------------ distilled exports
 def test_a_distilled_export_is_recognised_from_its_own_metadata_whatever_its_name(tmp_path, tiny_pipe):
     from krea2_diffusers import Krea2Pipeline
-    from krea2_diffusers.convert import convert_diffusers_to_original
+    from krea2_diffusers.loaders.convert import convert_diffusers_to_original
     from krea2_diffusers.files import save_safetensors
 
     state = convert_diffusers_to_original(tiny_pipe.transformer.state_dict())

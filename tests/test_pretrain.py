@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from krea2_diffusers import Krea2Transformer2DModel
 from krea2_diffusers.cli import main as krea2
-from krea2_diffusers.tiny import tiny_transformer_config
+from krea2_diffusers.models.tiny import tiny_transformer_config
 
 # The interface pinned in the issue, verbatim.
 PINNED = """\

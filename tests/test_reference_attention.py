@@ -11,10 +11,10 @@ import PIL.Image
 import pytest
 import torch
 
-from krea2_diffusers import layers
+from krea2_diffusers.models import layers
 from krea2_diffusers.latents import position_ids
-from krea2_diffusers.references import MAX_MOODBOARD_IMAGES, check_style_inputs
-from krea2_diffusers.style import moodboard_image, reference_area, reference_size
+from krea2_diffusers.conditioning.references import MAX_MOODBOARD_IMAGES, check_style_inputs
+from krea2_diffusers.conditioning.style import moodboard_image, reference_area, reference_size
 
 from conftest import pair_of_transformers
 

@@ -11,10 +11,10 @@ import PIL.Image
 import pytest
 import torch
 
-from krea2_diffusers import descriptions
-from krea2_diffusers.conditioning import ASSISTANT_SUFFIX, SYSTEM_PREFIX, encode_prompts, template_counts
-from krea2_diffusers.descriptions import StyleDescriptionCache, describe_style
-from krea2_diffusers.references import (
+from krea2_diffusers.conditioning import descriptions
+from krea2_diffusers.conditioning.text import ASSISTANT_SUFFIX, SYSTEM_PREFIX, encode_prompts, template_counts
+from krea2_diffusers.conditioning.descriptions import StyleDescriptionCache, describe_style
+from krea2_diffusers.conditioning.references import (
     DEFAULT_MOODBOARD_STRENGTH, IMAGE_PAD, MAX_MOODBOARD_IMAGES, MAX_STYLE_REFERENCES,
     check_style_inputs, encode_prompt_with_images,
     load_reference_images, parse_style_ref, vision_block, vision_inputs,

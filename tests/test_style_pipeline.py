@@ -87,7 +87,7 @@ def test_non_rgb_reference_is_converted(tiny_pipe):
 
 
 def test_expanded_prompts_reported(tiny_pipe, monkeypatch):
-    from krea2_diffusers import expander
+    from krea2_diffusers.conditioning import expander
 
     real = expander.expand_prompts
     # random weights never stop on their own: keep the expansion short

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from krea2_diffusers import Krea2Pipeline
-from krea2_diffusers import expander
+from krea2_diffusers.conditioning import expander
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOKENS = 4
@@ -42,7 +42,7 @@ def test_bare_encoder_expands_like_the_full_model(tiny_pipe, bare_pipe, short_ex
 
 
 def test_bare_encoder_runs_creativity_and_describe(bare_pipe, short_expansions, monkeypatch):
-    from krea2_diffusers import descriptions
+    from krea2_diffusers.conditioning import descriptions
 
     real = descriptions.describe_style
     monkeypatch.setattr(descriptions, "describe_style", lambda *a, **kw: real(*a, **{**kw, "max_new_tokens": TOKENS}))

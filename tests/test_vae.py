@@ -6,8 +6,8 @@ import torch
 from diffusers import AutoencoderKLQwenImage
 
 from krea2_diffusers.latents import decode_latents, encode_images
-from krea2_diffusers.tiny import randomize_, tiny_vae_config
-from krea2_diffusers.vae import enable_single_frame_convs
+from krea2_diffusers.models.tiny import randomize_, tiny_vae_config
+from krea2_diffusers.models.vae import enable_single_frame_convs
 
 
 def vaes():

@@ -37,7 +37,7 @@ from finetune.pretrain.architecture import init_from_scratch_, transformer_confi
 from finetune.pretrain.config import PretrainModelConfig, PretrainOptimizerConfig  # noqa: E402
 from finetune.pretrain.optimizers import make_optimizers  # noqa: E402
 from krea2_diffusers.latents import position_ids  # noqa: E402
-from krea2_diffusers.transformer import Krea2Transformer2DModel  # noqa: E402
+from krea2_diffusers.models.transformer import Krea2Transformer2DModel  # noqa: E402
 
 # Dense bf16 tensor-core peak (FLOP/s) by device name; MFU is left out for unknown devices.
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "B200": 2250e12}

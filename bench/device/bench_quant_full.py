@@ -24,9 +24,9 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
-from krea2_diffusers.gguf import PackedLinear, resident_bytes  # noqa: E402
-from krea2_diffusers.gguf.qtypes import block_geometry  # noqa: E402
-from krea2_diffusers.transformer import Krea2Transformer2DModel  # noqa: E402
+from krea2_diffusers.quantization.gguf import PackedLinear, resident_bytes  # noqa: E402
+from krea2_diffusers.quantization.gguf.qtypes import block_geometry  # noqa: E402
+from krea2_diffusers.models.transformer import Krea2Transformer2DModel  # noqa: E402
 from gguf import GGMLQuantizationType  # noqa: E402
 
 Q = GGMLQuantizationType
@@ -82,7 +82,7 @@ def build(config: dict, fmt: str, device: torch.device) -> nn.Module:
     if fmt == "fp8":
         model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
     elif fmt == "nf4":
-        from krea2_diffusers.bnb import quantize_transformer_
+        from krea2_diffusers.quantization.bnb import quantize_transformer_
 
         quantize_transformer_(model, "nf4", compute_dtype=torch.bfloat16)
     return model.eval()

@@ -31,8 +31,8 @@ from finetune.methods import add_lora  # noqa: E402
 from finetune.objective import add_noise, flow_matching_loss, sample_timesteps  # noqa: E402
 from finetune.optim import make_optimizer  # noqa: E402
 from krea2_diffusers.latents import position_ids  # noqa: E402
-from krea2_diffusers.tiny import tiny_transformer_config  # noqa: E402
-from krea2_diffusers.transformer import Krea2Transformer2DModel  # noqa: E402
+from krea2_diffusers.models.tiny import tiny_transformer_config  # noqa: E402
+from krea2_diffusers.models.transformer import Krea2Transformer2DModel  # noqa: E402
 
 FULL_CONFIG: dict = {}  # the class defaults are the released model (ARCHITECTURE.md)
 TINY_CONFIG = tiny_transformer_config()

@@ -4,7 +4,7 @@ references it is trained with.
 A sample's references are OTHER images of its group (never its own image, also not a repeat of it
 through ``data.repeats``), so the LoRA learns to carry a style over, not to copy the target. They
 come from the same latent cache as the targets and enter the transformer exactly as the pipeline's
-``style_mode="reference"`` sends them (:mod:`krea2_diffusers.style`): packed clean latents after
+``style_mode="reference"`` sends them (:mod:`krea2_diffusers.conditioning.style`): packed clean latents after
 the target at RoPE (k, i, j), each weighted by a strength s as a log(s) attention bias.
 
 Left out on purpose: the vision tokens of the references in the text (the pipeline adds them at
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from krea2_diffusers.latents import PIXELS_PER_TOKEN
-from krea2_diffusers.style import reference_area, reference_layout, reference_size, strength_bias
+from krea2_diffusers.conditioning.style import reference_area, reference_layout, reference_size, strength_bias
 
 from ..config import StyleReferencesConfig
 from .dataset import DatasetError, Sample
@@ -28,7 +28,7 @@ _VAE_SCALE = 8
 
 
 class _Size:
-    """Width/height of a target in pixels, for :func:`krea2_diffusers.style.reference_size`."""
+    """Width/height of a target in pixels, for :func:`krea2_diffusers.conditioning.style.reference_size`."""
 
     def __init__(self, height: int, width: int):
         self.height, self.width = height, width

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from krea2_diffusers.files import CheckpointError, read_bytes_into
-from krea2_diffusers.loading import TensorLocation
+from krea2_diffusers.loaders.single_file import TensorLocation
 
 
 class WeightSource(Protocol):
@@ -28,7 +28,7 @@ class WeightSource(Protocol):
 
 
 class FileWeights:
-    """Tensors in safetensors files, located by :func:`krea2_diffusers.loading.locate_transformer_tensors`."""
+    """Tensors in safetensors files, located by :func:`krea2_diffusers.loaders.single_file.locate_transformer_tensors`."""
 
     def __init__(self, locations: Mapping[str, TensorLocation]):
         self.locations = dict(locations)

@@ -21,7 +21,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from krea2_diffusers.conditioning import pad_conditioning
+from krea2_diffusers.conditioning.text import pad_conditioning
 
 from .prompt_pool import PoolLog, PromptPool
 from ..trainer import NonFiniteLossError

@@ -124,7 +124,7 @@ def step_log_prob(model, state, following, t: float, t_next: float, t_cap: float
 @torch.no_grad()
 def decode_to_pil(vae, latents: torch.Tensor, height: int, width: int) -> list:
     """Packed latents (B, N, C) -> PIL images."""
-    from krea2_diffusers.pipeline import Krea2Pipeline
+    from krea2_diffusers.pipelines.text_to_image import Krea2Pipeline
 
     pixels = decode_latents(vae, unpack_latents(latents.to(next(vae.parameters()).device), height, width))
     return Krea2Pipeline._to_output(pixels, "pil")

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from krea2_diffusers import sampling
-from krea2_diffusers.conditioning import pad_conditioning
+from krea2_diffusers.conditioning.text import pad_conditioning
 from krea2_diffusers.presets import DISTILLED_METADATA_KEY, STEPS_METADATA_KEY
 
 from ..methods import ADAPTER_NAME, add_lora, prepare_full_finetune
@@ -238,7 +238,7 @@ class DistillTrainer(PosttrainTrainer):
     # ---------------------------------------------------------------- export
     def lora_layers(self):
         """The student adapter (validation samples with it)."""
-        from krea2_diffusers.lora import lora_layers_from_diffusers_state_dict
+        from krea2_diffusers.loaders.lora import lora_layers_from_diffusers_state_dict
 
         state = full_state_dict(self.model, self.runtime, trainable_only=True)
         student = {k: v for k, v in state.items() if f".{FAKE_ADAPTER}." not in k}

@@ -11,8 +11,8 @@ from torch import nn
 
 from krea2_diffusers import Krea2Transformer2DModel
 from krea2_diffusers.files import CheckpointError
-from krea2_diffusers.layers import RMSNorm
-from krea2_diffusers.tiny import tiny_transformer_config
+from krea2_diffusers.models.layers import RMSNorm
+from krea2_diffusers.models.tiny import tiny_transformer_config
 
 from ..config import ConfigError
 from .config import ArchitectureConfig, PretrainModelConfig, StageConfig
@@ -81,7 +81,7 @@ def init_weights(model: PretrainModelConfig):
     """The engine's weight source for ``model.init`` (original-layout file, diffusers folder or a
     diffusers-named file such as a PMA file), read as the configured architecture: each rank reads
     only its own rows."""
-    from krea2_diffusers.loading import locate_transformer_tensors
+    from krea2_diffusers.loaders.single_file import locate_transformer_tensors
 
     from ..engine.weights import FileWeights
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-from krea2_diffusers.layers import RMSNorm
+from krea2_diffusers.models.layers import RMSNorm
 
 from .config import PretrainOptimizerConfig
 

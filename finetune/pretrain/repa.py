@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from krea2_diffusers.tiny import is_tiny
+from krea2_diffusers.models.tiny import is_tiny
 
 PROJECTOR_NAME = "repa_projector"
 # ImageNet statistics (DINOv2/v3); encoders whose config names other ones use those.

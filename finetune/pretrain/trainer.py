@@ -162,7 +162,7 @@ class Pretrainer:
     def _text(self, micro: dict) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.runtime.device
         if micro["text_features"] is not None:
-            from krea2_diffusers.conditioning import pad_conditioning
+            from krea2_diffusers.conditioning.text import pad_conditioning
 
             feats = micro["text_features"]
             embeds, masks = pad_conditioning([f[None] for f in feats], [torch.ones(1, f.shape[0], dtype=torch.bool) for f in feats])

@@ -19,9 +19,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args) -> int:
     import torch
 
-    from ..convert import convert_diffusers_to_original
+    from ..loaders.convert import convert_diffusers_to_original
     from ..files import atomic_write_dir, save_safetensors
-    from ..transformer import Krea2Transformer2DModel
+    from ..models.transformer import Krea2Transformer2DModel
 
     src, dst = Path(args.input), Path(args.output)
     if dst.exists():

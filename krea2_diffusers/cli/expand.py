@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..expander import (
+from ..conditioning.expander import (
     CREATIVITY_LEVELS, DEFAULT_CREATIVITY, DEFAULT_EXPANSION_SEED, DEFAULT_MAX_NEW_TOKENS, expand_prompts, load_expander,
 )
-from ..tiny import TINY_LABEL, is_tiny
+from ..models.tiny import TINY_LABEL, is_tiny
 
 # What single-file transformer checkpoints are paired with (see Krea2Pipeline.from_single_file).
 DEFAULT_TEXT_ENCODER = "Qwen/Qwen3-VL-4B-Instruct"
@@ -46,7 +46,7 @@ def resolve_expander(model: str, expander: str | None, text_encoder: str | None,
         return lm, tokenizer, source
     from transformers import Qwen3VLForConditionalGeneration
 
-    from ..assembly import load_tokenizer
+    from ..loaders.assembly import load_tokenizer
 
     if path.is_dir() and not (path / "text_encoder").is_dir():
         raise FileNotFoundError(f"{path}: no text_encoder/ folder (expected a diffusers-format Krea 2 folder)")

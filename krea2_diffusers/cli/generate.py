@@ -72,7 +72,7 @@ def run(args) -> int:
     import torch
 
     from .. import Krea2Img2ImgPipeline, Krea2InpaintPipeline, Krea2Pipeline
-    from ..assembly import load_pipeline
+    from ..loaders.assembly import load_pipeline
     from ..metadata import save_png
     from ..sampling import check_strength
 
@@ -94,7 +94,7 @@ def run(args) -> int:
     existing = [str(p) for p in paths if p.exists()]
     if existing and not args.overwrite:
         raise ValueError(f"refusing to overwrite {existing}; pass --overwrite or choose another --output")
-    from ..references import parse_style_ref
+    from ..conditioning.references import parse_style_ref
 
     style = [parse_style_ref(spec) for spec in args.style_ref]
     loras = [parse_style_ref(spec) for spec in args.lora]  # same PATH[:NUMBER] syntax

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from ..gguf.qtypes import WRITABLE_TYPES
+from ..quantization.gguf.qtypes import WRITABLE_TYPES
 
 FP8 = "fp8"
 
@@ -39,7 +39,7 @@ def run(args) -> int:
         counts = quantize_checkpoint_fp8(args.input, args.output, overwrite=args.force)
         summary = f"{counts['kind']}: {counts['fp8']} layers fp8, {counts['kept']} tensors kept"
     else:
-        from ..gguf.writer import quantize_checkpoint
+        from ..quantization.gguf.writer import quantize_checkpoint
 
         counts = quantize_checkpoint(args.input, args.output, args.qtype, overwrite=args.force)
         summary = ", ".join(f"{n} x {t}" for t, n in sorted(counts.items()))

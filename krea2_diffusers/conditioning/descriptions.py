@@ -14,7 +14,7 @@ from pathlib import Path
 import PIL.Image
 import torch
 
-from .conditioning import base_text_model
+from .text import base_text_model
 from .references import (
     IMAGE_PAD, REFERENCE_MAX_PIXELS, _one_image, _takes_token_types, _token_id, to_rgb, vision_block, vision_inputs,
 )
@@ -155,7 +155,7 @@ class StyleDescriptionCache:
             self._loaded = True
 
     def _save(self) -> None:
-        from .files import atomic_write
+        from ..files import atomic_write
 
         merged = {**self._read_file(), **self._entries}
         with atomic_write(self.path, "w") as handle:

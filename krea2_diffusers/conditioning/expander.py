@@ -252,10 +252,10 @@ def load_expander(name_or_model, torch_dtype=None, device=None):
     if not isinstance(name_or_model, (str, Path)):
         raise ValueError("expander must be 'tiny-random', a hub id or folder, or a (model, tokenizer) pair; "
                          f"got {type(name_or_model).__name__}")
-    from .tiny import is_tiny
+    from ..models.tiny import is_tiny
 
     if is_tiny(name_or_model):
-        from .tiny import tiny_components
+        from ..models.tiny import tiny_components
 
         parts = tiny_components()
         model, tokenizer = parts["text_encoder"], parts["tokenizer"]

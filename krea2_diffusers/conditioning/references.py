@@ -8,9 +8,9 @@ Two ways for a reference image to reach the model:
   transformer-side half (reference latents at RoPE (k, i, j), timestep-zero modulation, a style LoRA)
   lives in the pipeline.
 * **Training-free descriptions**: with no style LoRA at hand, the VLM writes a content-free style
-  description of each reference (``krea2_diffusers.descriptions``: ``describe_style``, cached per
+  description of each reference (``krea2_diffusers.conditioning.descriptions``: ``describe_style``, cached per
   image by ``StyleDescriptionCache``), and each description enters as its own group of text tokens
-  (assembled in ``krea2_diffusers.style``).
+  (assembled in ``krea2_diffusers.conditioning.style``).
 
 Either way every reference k gets a token range ``groups[k]`` so that the pipeline can weight it by
 its strength s (an additive ``log(s)`` bias on those tokens as attention keys).
@@ -29,8 +29,8 @@ import numpy as np
 import PIL.Image
 import torch
 
-from .files import split_path_and_number
-from .conditioning import (
+from ..files import split_path_and_number
+from .text import (
     ASSISTANT_SUFFIX, DEFAULT_MAX_SEQUENCE_LENGTH, SYSTEM_PREFIX, TAPPED_LAYERS, base_text_model, template_counts,
 )
 
@@ -320,7 +320,7 @@ def encode_prompt_with_images(
 
     Layout: ``[system prefix | (<|vision_start|> <|image_pad|> x n_k <|vision_end|>) per image | prompt |
     suffix]``, no padding. ``max_sequence_length`` bounds the prompt and suffix as in
-    :func:`~krea2_diffusers.conditioning.encode_prompts`; vision tokens come on top. Positions come
+    :func:`~krea2_diffusers.conditioning.text.encode_prompts`; vision tokens come on top. Positions come
     from the encoder's own mRoPE index (vision tokens get (t, h, w) grid positions; text counts on).
     With no images this equals ``encode_prompts(text_encoder, tokenizer, [prompt])``.
 

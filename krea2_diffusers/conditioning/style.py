@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .conditioning import encode_prompts, pad_conditioning
-from .latents import encode_images, pack_latents, position_ids, PIXELS_PER_TOKEN
+from .text import encode_prompts, pad_conditioning
+from ..latents import encode_images, pack_latents, position_ids, PIXELS_PER_TOKEN
 from .references import REFERENCE_MAX_PIXELS, REFERENCE_MIN_PIXELS
 
 STYLE_MODES = ("reference", "describe")

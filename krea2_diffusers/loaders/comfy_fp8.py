@@ -8,7 +8,7 @@ bf16 compute). Which layers are fp8 is declared by one of:
 - a ``L.comfy_quant`` uint8 tensor holding that per-layer JSON (ComfyUI's in-file variant);
 - the older form: ``L.scale_weight`` (and ``L.scale_input``) plus a ``scaled_fp8`` marker tensor.
 
-The runtime layer is :class:`krea2_diffusers.fp8.Fp8Linear`; this module only knows the file format.
+The runtime layer is :class:`krea2_diffusers.quantization.fp8.Fp8Linear`; this module only knows the file format.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from ..convert import (
+from .convert import (
     DORMANT_ORIGINAL_PREFIXES,
     UnknownKeyError,
     diffusers_module_to_original,
@@ -26,7 +26,7 @@ from ..convert import (
     strip_original_prefix,
 )
 from ..files import CheckpointError
-from ..fp8 import FP8_DTYPE, dequantize_weight, quantize_weight
+from ..quantization.fp8 import FP8_DTYPE, dequantize_weight, quantize_weight
 
 FORMAT_KEY = "_quantization_metadata"
 FORMAT_VERSION = "1.0"
@@ -107,7 +107,7 @@ def dequantize(weights: dict[str, torch.Tensor], scales: Mapping[str, torch.Tens
 
 def _fp8_plan(src, header: dict) -> tuple[str, dict[str, str], Callable[[str, tuple], bool]]:
     """(kind, output name per source name, which output tensors to quantize) for a transformer or text encoder file."""
-    from ..gguf.rules import is_quantizable
+    from ..quantization.gguf.rules import is_quantizable
     from .text_encoder import looks_like_text_encoder
 
     if looks_like_text_encoder(header):

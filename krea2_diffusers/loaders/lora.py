@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .convert import UnknownKeyError, diffusers_module_to_original
-from .files import save_safetensors
+from ..files import save_safetensors
 
 # Key suffix -> role. Longest first so ".lora_A.default.weight" never reads as ".weight".
 _SUFFIXES = (

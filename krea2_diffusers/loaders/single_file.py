@@ -1,5 +1,5 @@
 """Loading the transformer from the files people have: original single files (optionally
-prefixed or sharded with an index), diffusers-layout single files, and GGUF (``krea2_diffusers.gguf``).
+prefixed or sharded with an index), diffusers-layout single files, and GGUF (``krea2_diffusers.quantization.gguf``).
 
 The model is built on the meta device and the tensors read from disk are assigned to it, so a
 load needs about one copy of the weights in memory, not two.
@@ -22,10 +22,10 @@ from .convert import (
     original_module_to_diffusers,
     strip_original_prefix,
 )
-from .files import SAFETENSORS_DTYPES, CheckpointError, read_safetensors, read_safetensors_header
-from .layers import rope_axes_dims
-from .loaders import comfy_fp8
-from .loaders.meta import assign_state_dict
+from ..files import SAFETENSORS_DTYPES, CheckpointError, read_safetensors, read_safetensors_header
+from ..models.layers import rope_axes_dims
+from . import comfy_fp8
+from .meta import assign_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -135,9 +135,9 @@ def load_state_dict_into_meta_model(cls, state_dict: dict[str, torch.Tensor], co
 
 
 def finish_fp8(model: torch.nn.Module, scales: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """Give the layers loaded with fp8 weights their scales (:class:`krea2_diffusers.fp8.Fp8Linear`)."""
+    """Give the layers loaded with fp8 weights their scales (:class:`krea2_diffusers.quantization.fp8.Fp8Linear`)."""
     if scales:
-        from .fp8 import replace_linears_
+        from ..quantization.fp8 import replace_linears_
 
         replace_linears_(model, scales)
     return model
@@ -157,7 +157,7 @@ def load_single_file(cls, path, torch_dtype: torch.dtype | None = None, config: 
     """
     path = Path(path)
     if path.suffix == ".gguf":
-        from .gguf import load_gguf_transformer
+        from ..quantization.gguf import load_gguf_transformer
 
         return load_gguf_transformer(cls, path, config=config, torch_dtype=torch_dtype)
     files = _shard_files(path)

@@ -51,7 +51,7 @@ def builtin_configs() -> dict:
     """Configs recognised from a file's shapes alone, by name."""
     from transformers import Qwen3VLConfig
 
-    from ..tiny import tiny_text_encoder_config
+    from ..models.tiny import tiny_text_encoder_config
 
     return {"Qwen3-VL-4B-Instruct": Qwen3VLConfig(**QWEN3VL_4B_INSTRUCT), "tiny-random": tiny_text_encoder_config()}
 
@@ -134,7 +134,7 @@ def load_text_encoder_file(path, torch_dtype: torch.dtype | None = None, config=
     """
     from transformers import Qwen3VLForConditionalGeneration
 
-    from ..loading import finish_fp8
+    from .single_file import finish_fp8
 
     path = Path(path)
     header, _, _ = read_safetensors_header(path)

@@ -67,7 +67,7 @@ def tiny_components(seed: int = 0, torch_dtype: "torch.dtype | None" = None) -> 
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
     from transformers import Qwen3VLForConditionalGeneration
 
-    from .tokenizer import qwen_tokenizer
+    from ..conditioning.tokenizer import qwen_tokenizer
     from .transformer import Krea2Transformer2DModel
 
     generator = torch.Generator().manual_seed(seed)
@@ -88,7 +88,7 @@ def tiny_components(seed: int = 0, torch_dtype: "torch.dtype | None" = None) -> 
 
 def scheduler_config() -> dict:
     """FlowMatchEulerDiscreteScheduler settings equal to Krea 2's schedule (kept for diffusers interop)."""
-    from .sampling import BASE_IMAGE_SEQ_LEN, BASE_SHIFT, MAX_IMAGE_SEQ_LEN, MAX_SHIFT
+    from ..sampling import BASE_IMAGE_SEQ_LEN, BASE_SHIFT, MAX_IMAGE_SEQ_LEN, MAX_SHIFT
 
     return dict(
         use_dynamic_shifting=True, time_shift_type="exponential", base_shift=BASE_SHIFT, max_shift=MAX_SHIFT,
@@ -117,8 +117,8 @@ def save_random_original_file(path, config: dict, seed: int = 0, dtype: torch.dt
     (what users download), in ``dtype`` (default float32); returns its size in bytes."""
     import torch
 
-    from .convert import convert_diffusers_to_original
-    from .files import save_safetensors
+    from ..loaders.convert import convert_diffusers_to_original
+    from ..files import save_safetensors
     from .transformer import Krea2Transformer2DModel
 
     torch.manual_seed(seed)

@@ -24,7 +24,7 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.modeling_utils import ModelMixin
 from diffusers.utils import apply_lora_scale
 
-from .presets import REFERENCE_ATTENTION
+from ..presets import REFERENCE_ATTENTION
 from .layers import Attention, PlainBlock, RMSNorm, SwiGLU, TimestepEmbedding, rope_tables
 
 _COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -106,7 +106,7 @@ class Krea2Block(nn.Module):
         With ``reference_modulation``, the last ``reference_len`` tokens (clean style references)
         are modulated with it (timestep 0) instead of ``time_modulation``. ``reference_kv``: cached
         reference keys/values appended to the attention's keys; ``kv_sink`` receives this block's
-        own (key, value) (see :class:`~krea2_diffusers.layers.Attention`).
+        own (key, value) (see :class:`~krea2_diffusers.models.layers.Attention`).
         """
         table = self.scale_shift_table.to(time_modulation.dtype)
         mods = [(time_modulation + table).to(hidden_states.dtype).unbind(2)]
@@ -265,7 +265,7 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         The config is inferred from tensor shapes when not given; no ``torch_dtype`` keeps the stored
         dtypes. The model is built on the meta device, so loading needs about one copy of the weights.
         """
-        from .loading import load_single_file
+        from ..loaders.single_file import load_single_file
 
         return load_single_file(cls, path, torch_dtype=torch_dtype, config=config, upcast_fp8=upcast_fp8)
 

@@ -1,6 +1,4 @@
-"""Pipelines that start from an image: image-to-image and inpainting (text-to-image is ``krea2_diffusers.pipeline``)."""
-
-from .img2img import Krea2Img2ImgPipeline
-from .inpaint import Krea2InpaintPipeline
-
-__all__ = ["Krea2Img2ImgPipeline", "Krea2InpaintPipeline"]
+"""The pipelines: text-to-image (:mod:`.text_to_image`), image-to-image (:mod:`.img2img`) and
+inpainting (:mod:`.inpaint`), their shared image inputs (:mod:`.image_inputs`) and the memory
+knob (:mod:`.memory`). The classes are exported by ``krea2_diffusers`` itself; this package
+re-exports nothing."""

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..latents import VAE_SCALE_FACTOR, pack_latents
-from ..references import load_reference_images
+from ..conditioning.references import load_reference_images
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ _UINT8_MAX = 255.0
 
 
 def load_images(images, what: str, gray: bool = False) -> list[PIL.Image.Image]:
-    """One image or a list (paths, PIL, arrays, tensors; see ``references.load_reference_images``)."""
+    """One image or a list (paths, PIL, arrays, tensors; see ``conditioning.references.load_reference_images``)."""
     loaded = load_reference_images(images, what=what, gray=gray)
     if not loaded:
         raise ValueError(f"{what} is required")

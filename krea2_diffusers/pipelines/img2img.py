@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..latents import PATCH_SIZE, VAE_SCALE_FACTOR, PIXELS_PER_TOKEN, encode_images, pack_latents
-from ..pipeline import Krea2Pipeline
+from .text_to_image import Krea2Pipeline
 from ..sampling import ImageStart, check_strength
 from .image_inputs import fit, load_images, to_pixels
 

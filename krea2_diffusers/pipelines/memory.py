@@ -8,7 +8,7 @@ applies the plan and returns a sentence saying what it chose. The options, cheap
 2. model CPU offload: one component (text encoder, transformer, VAE) on the accelerator at a time;
 3. + fp8 weight storage for the transformer, bf16 compute (diffusers layerwise casting);
 4. + bitsandbytes NF4 for the transformer, then also for the text encoder (only when
-   bitsandbytes can run; asking for it explicitly where it cannot is an error, see bnb.py);
+   bitsandbytes can run; asking for it explicitly where it cannot is an error, see ``quantization.bnb``);
 5. fp8 transformer with block-level group offload, and the text encoder group-offloaded too:
    only a block or two of weights on the accelerator.
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from .presets import MEMORY_PRESETS
+from ..presets import MEMORY_PRESETS
 
 GIB = 1024**3
 PRESET_BUDGET_GIB = {"24gb": 24, "16gb": 16, "12gb": 12, "8gb": 8}
@@ -103,7 +103,7 @@ def plan_memory(transformer: int, text_encoder: int, vae: int, budget: int | Non
 
 def _bnb_usable() -> bool:
     try:
-        from .bnb import require_bitsandbytes
+        from ..quantization.bnb import require_bitsandbytes
 
         require_bitsandbytes()
         return True
@@ -169,12 +169,12 @@ def apply_plan(pipe, plan: MemoryPlan, device: torch.device) -> None:
         _cast_for_compute(pipe.transformer, compute)
         pipe.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=compute)
     elif plan.transformer_storage == "nf4":
-        from .bnb import quantize_transformer_
+        from ..quantization.bnb import quantize_transformer_
 
         _cast_for_compute(pipe.transformer, compute)
         quantize_transformer_(pipe.transformer, "nf4", compute_dtype=compute)
     if plan.text_encoder_storage == "nf4":
-        from .bnb import quantize_text_encoder_
+        from ..quantization.bnb import quantize_text_encoder_
 
         quantize_text_encoder_(pipe.text_encoder, "nf4", compute_dtype=pipe.text_encoder.dtype)
     if plan.offload == "none":

@@ -18,14 +18,14 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 
-from . import sampling
-from .conditioning import DEFAULT_MAX_SEQUENCE_LENGTH, TAPPED_LAYERS, encode_prompts, pad_conditioning
-from .latents import PATCH_SIZE, PIXELS_PER_TOKEN, decode_latents, pack_latents, position_ids, round_to_multiple, unpack_latents
-from .style import DEFAULT_STYLE_RESOLUTION, STYLE_MODES
-from .tiny import TINY_LABEL, is_tiny, tiny_components
-from .presets import REFERENCE_ATTENTION, preset_for
-from .transformer import Krea2Transformer2DModel
-from .vae import enable_single_frame_convs
+from .. import sampling
+from ..conditioning.text import DEFAULT_MAX_SEQUENCE_LENGTH, TAPPED_LAYERS, encode_prompts, pad_conditioning
+from ..latents import PATCH_SIZE, PIXELS_PER_TOKEN, decode_latents, pack_latents, position_ids, round_to_multiple, unpack_latents
+from ..conditioning.style import DEFAULT_STYLE_RESOLUTION, STYLE_MODES
+from ..models.tiny import TINY_LABEL, is_tiny, tiny_components
+from ..presets import REFERENCE_ATTENTION, preset_for
+from ..models.transformer import Krea2Transformer2DModel
+from ..models.vae import enable_single_frame_convs
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class Krea2Pipeline(DiffusionPipeline):
             kwargs["transformer"] = Krea2Transformer2DModel.from_pretrained(pretrained_model_name_or_path, subfolder="transformer", **sub)
         pipe = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
         if is_distilled is None:
-            from .assembly import recorded_distillation
+            from ..loaders.assembly import recorded_distillation
 
             # A distilled export says so in its own file, whatever the folder is called.
             recorded, steps = recorded_distillation(pretrained_model_name_or_path)
@@ -135,7 +135,7 @@ class Krea2Pipeline(DiffusionPipeline):
         encoders other than the 4B. fp8 files stay fp8 with their scales (bf16 compute) unless
         ``upcast_fp8``. ``is_distilled`` defaults to whether the file name says Turbo/TDM.
         """
-        from .assembly import assemble_from_single_file
+        from ..loaders.assembly import assemble_from_single_file
 
         return assemble_from_single_file(cls, path, text_encoder=text_encoder, vae=vae, tokenizer=tokenizer,
                                          torch_dtype=torch_dtype, is_distilled=is_distilled,
@@ -407,9 +407,9 @@ class Krea2Pipeline(DiffusionPipeline):
     def _style_batch(self, prompts, negatives, style_images, style_strengths, mode, moodboard, height, width,
                      max_sequence_length, device, style_resolution):
         """The style-referenced text (prompts then negatives) and reference inputs, or None."""
-        from .descriptions import StyleDescriptionCache
-        from .references import check_style_inputs, load_reference_images
-        from .style import moodboard_image, moodboard_side, prepare_style_batch
+        from ..conditioning.descriptions import StyleDescriptionCache
+        from ..conditioning.references import check_style_inputs, load_reference_images
+        from ..conditioning.style import moodboard_image, moodboard_side, prepare_style_batch
 
         # Checked before any model work; strengths come back one per image (one for a moodboard).
         strengths = check_style_inputs(style_images, style_strengths, moodboard=moodboard)
@@ -433,7 +433,7 @@ class Krea2Pipeline(DiffusionPipeline):
         """Expand short prompts with the text encoder's own Qwen3-VL LM head (no extra weights), or
         with ``expander=(model, tokenizer)``. ``creativity="raw"`` returns the prompt unchanged.
         Returns a str for a str, a list for a list."""
-        from .expander import expand_prompts
+        from ..conditioning.expander import expand_prompts
 
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         model, tokenizer = expander if expander is not None else (self.language_model(), self.tokenizer)
@@ -443,8 +443,8 @@ class Krea2Pipeline(DiffusionPipeline):
     def language_model(self):
         """The text encoder with its LM head (prompt expansion, style descriptions). A bare
         ``Qwen3VLModel`` gets the head wrapped around it once, sharing every weight (see
-        :func:`~krea2_diffusers.expander.with_lm_head`)."""
-        from .expander import with_lm_head
+        :func:`~krea2_diffusers.conditioning.expander.with_lm_head`)."""
+        from ..conditioning.expander import with_lm_head
 
         if self.text_encoder is None:
             raise ValueError("the text encoder was released (memory.release_text_encoder); reload the pipeline to expand prompts")
@@ -489,7 +489,7 @@ class Krea2Pipeline(DiffusionPipeline):
         """Fit the pipeline into a memory budget (``auto``, ``high``, ``24gb``, ``16gb``, ``12gb``,
         ``8gb``): model or group offload (the text encoder then waits on the CPU between prompts, it
         is never dropped), fp8/NF4 storage. Returns what was chosen, the text encoder's place
-        included. To drop the text encoder after encoding prompts, see ``memory.release_text_encoder``."""
+        included. To drop the text encoder after encoding prompts, see ``pipelines.memory.release_text_encoder``."""
         from .memory import apply_memory_preset
 
         return apply_memory_preset(self, memory, device=device)
@@ -497,7 +497,7 @@ class Krea2Pipeline(DiffusionPipeline):
     # ------------------------------------------------------------------ adapters
     def load_lora_weights(self, pretrained_model_name_or_path_or_dict, adapter_name: str | None = None, strength: float = 1.0, **kwargs):
         """Load a LoRA in diffusers/PEFT, ComfyUI/native or kohya format onto the transformer."""
-        from .lora import load_lora_into_transformer
+        from ..loaders.lora import load_lora_into_transformer
 
         return load_lora_into_transformer(self.transformer, pretrained_model_name_or_path_or_dict, adapter_name=adapter_name, strength=strength, **kwargs)
 

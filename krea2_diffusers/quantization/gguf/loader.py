@@ -13,7 +13,7 @@ import os
 import torch
 import torch.nn as nn
 
-from ..convert import UnknownKeyError, convert_original_to_diffusers, original_module_to_diffusers
+from ...loaders.convert import UnknownKeyError, convert_original_to_diffusers, original_module_to_diffusers
 from .dequant import dequantize
 from .packed import PackedLinear
 from .qtypes import PACKED_TYPES, block_geometry
@@ -73,8 +73,8 @@ def load_gguf_transformer(cls, path, *, config: dict | None = None, torch_dtype:
     if config is None:
         if layout != "original":
             raise GGUFFormatError(f"{path}: a diffusers-named GGUF needs `config=` (the shapes are only mapped for original names)")
-        from ..files import CheckpointError
-        from ..loading import infer_config_from_shapes
+        from ...files import CheckpointError
+        from ...loaders.single_file import infer_config_from_shapes
 
         try:
             config = infer_config_from_shapes({name: t.shape for name, t in tensors.items()})

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
-from ..convert import DORMANT_ORIGINAL_PREFIXES, is_original_layout, strip_original_prefix
+from ...loaders.convert import DORMANT_ORIGINAL_PREFIXES, is_original_layout, strip_original_prefix
 from .qtypes import READABLE_TYPES, block_geometry, type_name
 
 Q = GGMLQuantizationType
