@@ -3,12 +3,9 @@ a diffusers folder, a single file, or ``tiny-random``. Loading itself is the cor
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
-
-from krea2_diffusers.models.tiny import is_tiny
 
 
 @dataclass
@@ -27,30 +24,20 @@ class TextEncoder:
         return embeds, mask.bool()
 
 
-@functools.lru_cache(maxsize=1)
-def _tiny():
-    """One tiny pipeline's components (frozen, so the text encoder and VAE may share the build)."""
-    from krea2_diffusers.models.tiny import tiny_components
-
-    return tiny_components()
-
-
 def load_text_encoder(spec: str, dtype: torch.dtype = torch.bfloat16, device=None) -> TextEncoder:
-    from krea2_diffusers import assembly
+    """The frozen text encoder named by ``spec`` (see :func:`krea2_diffusers.loaders.assembly.load_text_encoder`)."""
+    from krea2_diffusers.loaders import assembly
 
-    if is_tiny(spec):
-        parts = _tiny()
-        model, tokenizer = parts["text_encoder"], parts["tokenizer"]
-    else:
-        model = assembly.load_text_encoder(spec, dtype)
-        tokenizer = assembly.load_tokenizer(None, spec)
+    model = assembly.load_text_encoder(spec, dtype)
+    tokenizer = assembly.load_tokenizer(None, spec)
     model.requires_grad_(False).eval()
     return TextEncoder(model.to(device) if device is not None else model, tokenizer)
 
 
 def load_vae(spec: str, dtype: torch.dtype = torch.float32, device=None) -> torch.nn.Module:
-    from krea2_diffusers import assembly
+    """The frozen VAE named by ``spec`` (see :func:`krea2_diffusers.loaders.assembly.load_vae`)."""
+    from krea2_diffusers.loaders import assembly
 
-    vae = _tiny()["vae"] if is_tiny(spec) else assembly.load_vae(spec, dtype)
+    vae = assembly.load_vae(spec, dtype)
     vae.requires_grad_(False).eval()
     return vae.to(device) if device is not None else vae

