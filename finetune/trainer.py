@@ -256,7 +256,7 @@ class Trainer:
 
     def export(self, step: int) -> list[Path]:
         """Written from the final DCP checkpoint by the main process, streaming tensor by tensor."""
-        from .export import export_checkpoint
+        from .export.writer import export_checkpoint
 
         self.checkpointer.wait()
         written = []

@@ -281,7 +281,7 @@ def _dcp_checkpoint(path, model_state: dict, train_state: dict):
 
 
 def test_trainer_exports_are_readable_by_others(parts, tmp_path):
-    from finetune.export import export_checkpoint
+    from finetune.export.writer import export_checkpoint
 
     adapter = {"transformer_blocks.0.attn.to_q.lora_A.default.weight": torch.randn(32, 64),
                "transformer_blocks.0.attn.to_q.lora_B.default.weight": torch.randn(64, 32)}

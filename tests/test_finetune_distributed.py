@@ -14,7 +14,7 @@ import yaml
 from safetensors.torch import load_file
 
 from finetune.config import build_config
-from finetune.export import model_tensors
+from finetune.export.writer import model_tensors
 from finetune.metrics import read_metrics
 from finetune.trainer import train
 

@@ -23,7 +23,7 @@ import torch
 import yaml
 
 from finetune.config import build_config
-from finetune.export import model_tensors
+from finetune.export.writer import model_tensors
 from finetune.metrics import read_metrics
 from finetune.trainer import Trainer
 from krea2_diffusers.models.tiny import proportioned_transformer_config, save_random_original_file

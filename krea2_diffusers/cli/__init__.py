@@ -18,7 +18,7 @@ COMMANDS = {
     "expand": "krea2_diffusers.cli.expand",
     "train": "finetune.cli",
     "posttrain": "finetune.posttrain.cli",
-    "export": "finetune.export_cli",
+    "export": "finetune.export.cli",
     "pack": "finetune.packs.cli",
     "pretrain": "finetune.pretrain.cli",
     "curate": "curation.cli",

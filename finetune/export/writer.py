@@ -19,7 +19,7 @@ from krea2_diffusers.loaders.convert import diffusers_module_to_original
 from krea2_diffusers.files import atomic_write, write_safetensors_streaming
 from krea2_diffusers.loaders.lora import lora_layers_from_diffusers_state_dict, lora_metadata, save_lora_file
 
-from .engine.checkpoint import read_train_state
+from ..engine.checkpoint import read_train_state
 
 logger = logging.getLogger("finetune")
 

@@ -27,8 +27,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from .engine.checkpoint import STATE_FILE
-    from .export import export_checkpoint
+    from ..engine.checkpoint import STATE_FILE
+    from .writer import export_checkpoint
 
     checkpoint, out = Path(args.checkpoint), Path(args.out)
     if not (checkpoint / STATE_FILE).is_file() or not (checkpoint / ".metadata").is_file():
