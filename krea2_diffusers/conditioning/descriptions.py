@@ -14,10 +14,10 @@ from pathlib import Path
 import PIL.Image
 import torch
 
-from .text import base_text_model
 from .references import (
     IMAGE_PAD, REFERENCE_MAX_PIXELS, _one_image, _takes_token_types, _token_id, to_rgb, vision_block, vision_inputs,
 )
+from .text import base_text_model
 
 logger = logging.getLogger(__name__)
 

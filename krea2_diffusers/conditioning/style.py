@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .text import encode_prompts, pad_conditioning
 from ..latents import encode_images, pack_latents, position_ids, PIXELS_PER_TOKEN
 from .references import REFERENCE_MAX_PIXELS, REFERENCE_MIN_PIXELS
+from .text import encode_prompts, pad_conditioning
 
 STYLE_MODES = ("reference", "describe")
 # Side in pixels of the area all reference latents of a generation share (512^2 px = 1024 tokens).

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from ..files import CheckpointError
-from ..presets import distillation_from_metadata, looks_distilled
 from ..models.tiny import is_tiny, tiny_components
 from ..models.transformer import Krea2Transformer2DModel
+from ..presets import distillation_from_metadata, looks_distilled
 
 
 def _is_file(source) -> bool:

@@ -18,6 +18,8 @@ from typing import Callable, Mapping
 
 import torch
 
+from ..files import CheckpointError
+from ..quantization.fp8 import FP8_DTYPE, dequantize_weight, quantize_weight
 from .convert import (
     DORMANT_ORIGINAL_PREFIXES,
     UnknownKeyError,
@@ -25,8 +27,6 @@ from .convert import (
     is_original_layout,
     strip_original_prefix,
 )
-from ..files import CheckpointError
-from ..quantization.fp8 import FP8_DTYPE, dequantize_weight, quantize_weight
 
 FORMAT_KEY = "_quantization_metadata"
 FORMAT_VERSION = "1.0"

@@ -32,8 +32,8 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from .convert import UnknownKeyError, diffusers_module_to_original
 from ..files import save_safetensors
+from .convert import UnknownKeyError, diffusers_module_to_original
 
 # Key suffix -> role. Longest first so ".lora_A.default.weight" never reads as ".weight".
 _SUFFIXES = (

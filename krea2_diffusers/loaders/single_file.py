@@ -15,6 +15,9 @@ from pathlib import Path
 
 import torch
 
+from ..files import SAFETENSORS_DTYPES, CheckpointError, read_safetensors, read_safetensors_header
+from ..models.layers import rope_axes_dims
+from . import comfy_fp8
 from .convert import (
     DORMANT_ORIGINAL_PREFIXES,
     UnknownKeyError,
@@ -22,9 +25,6 @@ from .convert import (
     original_module_to_diffusers,
     strip_original_prefix,
 )
-from ..files import SAFETENSORS_DTYPES, CheckpointError, read_safetensors, read_safetensors_header
-from ..models.layers import rope_axes_dims
-from . import comfy_fp8
 from .meta import assign_state_dict
 
 logger = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ import PIL.Image
 import torch
 import torch.nn.functional as F
 
-from ..latents import VAE_SCALE_FACTOR, pack_latents
 from ..conditioning.references import load_reference_images
+from ..latents import VAE_SCALE_FACTOR, pack_latents
 
 logger = logging.getLogger(__name__)
 

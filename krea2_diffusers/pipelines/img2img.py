@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from ..latents import PATCH_SIZE, VAE_SCALE_FACTOR, PIXELS_PER_TOKEN, encode_images, pack_latents
-from .text_to_image import Krea2Pipeline
 from ..sampling import ImageStart, check_strength
 from .image_inputs import fit, load_images, to_pixels
+from .text_to_image import Krea2Pipeline
 
 DEFAULT_STRENGTH = 0.6  # diffusers' img2img / inpainting default
 

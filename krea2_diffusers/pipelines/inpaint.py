@@ -14,10 +14,10 @@ import PIL.Image
 import torch
 
 from ..latents import PATCH_SIZE
-from .text_to_image import Krea2Pipeline, Krea2PipelineOutput
 from ..sampling import ImageStart, check_strength
 from .image_inputs import crop_region, fit, latent_repaint_mask, load_images, overlay, to_pixels
 from .img2img import DEFAULT_STRENGTH, Krea2Img2ImgPipeline
+from .text_to_image import Krea2Pipeline, Krea2PipelineOutput
 
 
 class Krea2InpaintPipeline(Krea2Img2ImgPipeline):

@@ -19,13 +19,13 @@ from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 
 from .. import sampling
+from ..conditioning.style import DEFAULT_STYLE_RESOLUTION, STYLE_MODES
 from ..conditioning.text import DEFAULT_MAX_SEQUENCE_LENGTH, TAPPED_LAYERS, encode_prompts, pad_conditioning
 from ..latents import PATCH_SIZE, PIXELS_PER_TOKEN, decode_latents, pack_latents, position_ids, round_to_multiple, unpack_latents
-from ..conditioning.style import DEFAULT_STYLE_RESOLUTION, STYLE_MODES
 from ..models.tiny import TINY_LABEL, is_tiny, tiny_components
-from ..presets import REFERENCE_ATTENTION, preset_for
 from ..models.transformer import Krea2Transformer2DModel
 from ..models.vae import enable_single_frame_convs
+from ..presets import REFERENCE_ATTENTION, preset_for
 
 logger = logging.getLogger(__name__)
 

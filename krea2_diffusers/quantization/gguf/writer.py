@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter
 
+from ...files import CheckpointError, atomic_path, read_safetensors, read_safetensors_header
 from ...loaders.convert import (
     DORMANT_ORIGINAL_PREFIXES,
     UnknownKeyError,
@@ -25,7 +26,6 @@ from ...loaders.convert import (
     is_original_layout,
     strip_original_prefix,
 )
-from ...files import CheckpointError, atomic_path, read_safetensors, read_safetensors_header
 from .qtypes import WRITABLE_TYPES, row_bytes
 from .quantizer import quantize
 from .reader import ORIG_SHAPE_PREFIX
