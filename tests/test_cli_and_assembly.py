@@ -108,3 +108,17 @@ def test_from_single_file_with_local_encoder_and_vae(tmp_path, tiny_pipe):
     assert torch.allclose(ours, expected, atol=1e-6)
     raw = Krea2Pipeline.from_single_file(tmp_path / "krea2-turbo.safetensors", text_encoder=tmp_path / "te", vae=tmp_path / "qwen-image", is_distilled=False)
     assert not raw.is_distilled
+
+
+def test_folders_saved_under_an_older_module_path_still_load(tmp_path, tiny_pipe):
+    """A folder saved when our transformer class lived in ``krea2_diffusers.transformer`` (before the
+    modules were grouped into subpackages) still loads, with the same weights."""
+    tiny_pipe.save_pretrained(tmp_path / "pipe")
+    index_path = tmp_path / "pipe" / "model_index.json"
+    index = json.loads(index_path.read_text())
+    assert index["transformer"] == ["krea2_diffusers.models.transformer", "Krea2Transformer2DModel"]
+    index["transformer"] = ["krea2_diffusers.transformer", "Krea2Transformer2DModel"]
+    index_path.write_text(json.dumps(index))
+    old = Krea2Pipeline.from_pretrained(tmp_path / "pipe")
+    assert type(old.transformer) is Krea2Transformer2DModel
+    assert all(torch.equal(a, b) for a, b in zip(old.transformer.state_dict().values(), tiny_pipe.transformer.state_dict().values()))

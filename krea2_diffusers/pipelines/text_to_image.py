@@ -29,6 +29,24 @@ from ..presets import REFERENCE_ATTENTION, preset_for
 
 logger = logging.getLogger(__name__)
 
+# ``model_index.json`` names a component defined outside diffusers/transformers by its module path
+# (diffusers records ``cls.__module__`` and resolves it through ``sys.modules``). A folder saved
+# before a module moved (e.g. ``krea2_diffusers.transformer``, now ``...models.transformer``) names
+# a path that no longer exists: such entries are read as the class's current module.
+PACKAGE = __name__.split(".")[0]
+
+
+def _current_library(entry):
+    """``[library, class]`` with a ``krea2_diffusers.<module>`` library replaced by the module the
+    package's class of that name lives in now (unchanged for anything else)."""
+    if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], str)
+            and entry[0].startswith(PACKAGE + ".")):
+        return entry
+    import importlib
+
+    cls = getattr(importlib.import_module(PACKAGE), entry[1], None)
+    return [cls.__module__, entry[1]] if cls is not None else entry
+
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 
 
@@ -77,6 +95,15 @@ class Krea2Pipeline(DiffusionPipeline):
         self.batch_cfg = True
 
     # ------------------------------------------------------------------ construction
+    @classmethod
+    def load_config(cls, *args, **kwargs):
+        """diffusers' ``load_config``, our components' libraries read as their current modules."""
+        loaded = super().load_config(*args, **kwargs)
+        config = loaded[0] if isinstance(loaded, tuple) else loaded
+        for key, value in list(config.items()):
+            config[key] = _current_library(value)
+        return loaded
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
         """A diffusers-format folder or hub id (our transformer class is used), or ``"tiny-random"``."""
