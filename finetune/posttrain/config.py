@@ -111,6 +111,9 @@ class DistillConfig(PromptSource):
     resolution: int = 1024
     fake_learning_rate: float | None = None
     """Learning rate of the fake-score model (default: ``optimizer.learning_rate``)."""
+    fake_updates_per_step: int = 1
+    """Fake-score optimizer updates before each student update (DMD2's two time-scales, which
+    uses 5): the student's gradient is the fake score's error, so a lagging fake score misleads it."""
 
 
 @dataclass
@@ -158,6 +161,8 @@ class PosttrainConfig(TrainConfig):
         if name == "distill":
             if section.student_steps < 1 or section.teacher_steps < 1:
                 raise ConfigError("distill.student_steps and distill.teacher_steps must be positive")
+            if section.fake_updates_per_step < 1:
+                raise ConfigError(f"distill.fake_updates_per_step must be at least 1, got {section.fake_updates_per_step}")
 
     def prompt_list(self) -> list[str]:
         """GRPO / distill prompts: the inline list, then the file's non-empty lines."""

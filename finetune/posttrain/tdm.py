@@ -169,7 +169,27 @@ class DistillTrainer(PosttrainTrainer):
                                   encoder_attention_mask=mask, return_dict=False)[0].float()
 
     # ---------------------------------------------------------------- one step
+    def _segment_times(self, generator: torch.Generator, total: int, mine: slice, t_k: float, t_after: float) -> torch.Tensor:
+        """(B,) times uniform in the segment (t_{k+1}, t_k], drawn for the whole global batch."""
+        tau = torch.rand(total, generator=generator, dtype=torch.float64)[mine]
+        return (t_after + (t_k - t_after) * tau).clamp_min(MIN_TAU).float().to(self.runtime.device)
+
+    def _fake_update(self, sample: torch.Tensor, tau: torch.Tensor, eps: torch.Tensor, embeds, mask) -> torch.Tensor:
+        """One optimizer step of the fake score alone: flow matching on the student's step-k
+        estimates ``sample`` (B, N, C) diffused to ``tau`` (B,), so it models that step's
+        distribution (the trajectory-level part of TDM). Returns the loss."""
+        noisy = (1 - tau.view(-1, 1, 1)) * sample + tau.view(-1, 1, 1) * eps
+        fake_v = self._forward("fake", noisy, tau, embeds, mask)
+        loss = (fake_v - (eps - sample)).pow(2).flatten(1).mean(1).mean()
+        loss.backward()
+        # Only the fake score's parameters have gradients: the optimizer leaves the student's alone.
+        self.optimizer_step()
+        return loss.detach()
+
     def train_step(self, step: int, items=None) -> tuple[float, float]:
+        """``distill.fake_updates_per_step`` updates of the fake score on the student's current
+        estimates (DMD2's two time-scales: the score difference is only as good as the fake
+        score), then one update of the student."""
         config, runtime, section = self.config, self.runtime, self.config.distill
         total = self.global_batch.micro_batch  # the run's, kept on resume with another number of processes
         per_rank = total // runtime.world_size
@@ -181,50 +201,41 @@ class DistillTrainer(PosttrainTrainer):
         noise = initial_noise(total, channels, self.size, self.size, generator)[mine]
         k = int(torch.randint(0, section.student_steps, (1,), generator=generator))
         t_k, t_after = self.student_times[k], self.student_times[k + 1]
-        tau = torch.rand(total, generator=generator, dtype=torch.float64)[mine]
-        tau = (t_after + (t_k - t_after) * tau).clamp_min(MIN_TAU).float()
-        eps = torch.randn((total, *noise.shape[1:]), generator=generator)[mine]
-        # The fake score learns the student's estimates diffused to the same segment's times, so it
-        # models the distribution of step k's estimates (the trajectory-level part of TDM).
-        tau_fake = torch.rand(total, generator=generator, dtype=torch.float64)[mine]
-        tau_fake = (t_after + (t_k - t_after) * tau_fake).clamp_min(MIN_TAU).float()
-        eps_fake = torch.randn((total, *noise.shape[1:]), generator=generator)[mine]
         device = runtime.device
+        draw_eps = lambda: torch.randn((total, *noise.shape[1:]), generator=generator)[mine].to(device)  # noqa: E731
         prompt_ids = global_ids[mine]
         embeds, mask = self.conditioning(prompt_ids)
         uncond, uncond_mask = self.conditioning([len(self.prompts)] * len(prompt_ids))
         latents = noise.to(device)
+        t_vec = torch.full((len(prompt_ids),), t_k, device=device)
 
-        # The student's own trajectory up to step k, then its clean estimate with gradients.
+        # The student's own trajectory up to step k (no gradients), and its clean estimate there.
         with torch.no_grad():
             text = text_inputs(self.model, embeds, mask, self.size, self.size, reuse=False)
             for i in range(k):
                 v = velocity(_Part(self, "student"), latents, self.student_times[i], text)
                 latents = sampling.euler_step(latents, v, self.student_times[i], self.student_times[i + 1])
-        t_vec = torch.full((len(prompt_ids),), t_k, device=device)
-        x0_hat = latents - t_k * self._forward("student", latents, t_vec, embeds, mask)
+            sample = latents - t_k * self._forward("student", latents, t_vec, embeds, mask)
 
-        # Distribution matching inside the segment (t_{k+1}, t_k].
-        tau, eps = tau.to(device), eps.to(device)
+        # The fake score first follows the student's distribution at step k ...
+        fake_losses = [self._fake_update(sample, self._segment_times(generator, total, mine, t_k, t_after), draw_eps(),
+                                         embeds, mask) for _ in range(section.fake_updates_per_step)]
+        fake_loss = torch.stack(fake_losses).mean()
+
+        # ... then the student's estimate (now with gradients) is pulled toward the teacher's
+        # marginal by the score difference, at times inside the segment (t_{k+1}, t_k].
+        x0_hat = latents - t_k * self._forward("student", latents, t_vec, embeds, mask)
+        tau, eps = self._segment_times(generator, total, mine, t_k, t_after), draw_eps()
         noisy = (1 - tau.view(-1, 1, 1)) * x0_hat.detach() + tau.view(-1, 1, 1) * eps
         with torch.no_grad():
             x0_teacher = noisy - tau.view(-1, 1, 1) * self.teacher_velocity(noisy, tau, embeds, mask, uncond, uncond_mask)
             x0_fake = noisy - tau.view(-1, 1, 1) * self._forward("fake", noisy, tau, embeds, mask)
         student_loss = dmd_student_loss(x0_hat, x0_fake, x0_teacher)
-
-        # The fake score follows the student's distribution (flow matching on its samples).
-        tau_fake, eps_fake = tau_fake.to(device), eps_fake.to(device)
-        sample = x0_hat.detach()
-        noisy_fake = (1 - tau_fake.view(-1, 1, 1)) * sample + tau_fake.view(-1, 1, 1) * eps_fake
-        fake_v = self._forward("fake", noisy_fake, tau_fake, embeds, mask)
-        fake_loss = (fake_v - (eps_fake - sample)).pow(2).flatten(1).mean(1).mean()
-
-        loss = student_loss + fake_loss
-        value = float(runtime.mean(loss))
+        value = float(runtime.mean(student_loss + fake_loss))
         if not math.isfinite(value):
             raise NonFiniteLossError(f"distillation loss is {value} at step {step + 1} on prompts "
                                      f"{[self.prompts[i] for i in global_ids]}; the last checkpoint is kept in {self.checkpointer.folder}")
-        loss.backward()
+        student_loss.backward()
         if self.lora:
             unwrap(self.model).set_adapter(ADAPTERS["student"])  # what validation and exports see
             for param in self.params:
