@@ -27,6 +27,7 @@ it reproduces Krea's Turbo recipe bit for bit.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -100,6 +101,16 @@ def dmd_student_loss(x0_hat: torch.Tensor, x0_fake: torch.Tensor, x0_teacher: to
 
 
 class DistillTrainer(PosttrainTrainer):
+    @classmethod
+    def model_copies(cls, config):
+        """Full: student + fake score trained (master + optimizer state each), teacher frozen.
+        LoRA: two adapters on the base, which is the teacher. The student's and the fake score's
+        forwards with gradients are both kept until the step's one backward."""
+        copies = super().model_copies(config, forward_batch=2 * config.training.batch_size)
+        if config.training.method == "lora":
+            return replace(copies, adapters=2, what="distill: student + fake score adapters, teacher = base, adapters off")
+        return replace(copies, trained=2, frozen_name="teacher", what="distill: student + fake score trained, teacher frozen")
+
     def prepare_inputs(self) -> None:
         self.lora = self.config.training.method == "lora"
         self.prompts = self.config.prompt_list()

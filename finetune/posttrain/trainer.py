@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from ..dryrun import ModelCopies
 from ..engine.loader import step_generator, step_layout
 from ..engine.parallel import unwrap, wrap_model
 from ..methods import add_lora, quantize_base, trainable_parameter_count
@@ -35,6 +36,18 @@ class PosttrainTrainer(Trainer):
     config: PosttrainConfig
 
     # ---------------------------------------------------------------- hooks
+    @classmethod
+    def model_copies(cls, config: PosttrainConfig, forward_batch: int | None = None,
+                     image_size: tuple[int, int] | None = None) -> ModelCopies:
+        """What one process holds, for ``--dry-run``: the trained model and, full, the frozen
+        reference (LoRA: the base with the adapter off). ``forward_batch`` / ``image_size``: the
+        method's largest forward with gradients (default: ``training.batch_size`` squares of the
+        method's ``resolution``)."""
+        size = config.section.resolution
+        full = config.training.method == "full"
+        what = f"{config.method}: model trained, reference frozen" if full else f"{config.method}: reference = base, adapter off"
+        return ModelCopies(frozen=int(full), forward_batch=forward_batch, image_size=image_size or (size, size), what=what)
+
     def prepare_inputs(self) -> None:
         """Read and check the method's inputs; runs before any model loads."""
 
