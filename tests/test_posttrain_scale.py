@@ -34,13 +34,27 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # Runs `python -m finetune.posttrain` with the trainer's model set-up (trained root + frozen
 # reference) wrapped in a probe (RSS sampled every 2 ms from a thread, see HostPeak), written as
-# {"rank", "growth"} bytes to PROBE_DIR/rank<R>.json.
+# {"rank", "growth"} bytes to PROBE_DIR/rank<R>.json; and after every call of the frozen teacher,
+# whether all its parameters are back to their shards, to PROBE_DIR/rank<R>-teacher.json.
 PROBE = '''
 import json, os, sys
+from torch.distributed.tensor import DTensor
 from finetune.engine.plan import HostPeak
+from finetune.posttrain.reference import Reference
 from finetune.posttrain.trainer import PosttrainTrainer
 
 build = PosttrainTrainer.build_models
+call = Reference.__call__
+
+def resharded(self, model, **inputs):
+    out = call(self, model, **inputs)
+    record = os.path.join(os.environ["PROBE_DIR"], f"rank{os.environ.get('RANK', '0')}-teacher.json")
+    previous = json.load(open(record)) if os.path.exists(record) else []
+    with open(record, "w") as f:
+        json.dump(previous + [all(isinstance(p, DTensor) for p in self.frozen.parameters())], f)
+    return out
+
+Reference.__call__ = resharded
 
 def probed(self):
     with HostPeak() as probe:
@@ -124,6 +138,9 @@ def test_sharded_full_distillation_memory_losses_and_resume_from_2_to_1_process(
     for rank_growth in _growth(two, 2):
         assert rank_growth < 0.6 * one_growth, (rank_growth, one_growth)
     _assert_same_rows(_rows(two / "run"), reference[:2])
+    for rank in range(2):  # the teacher, called every step, keeps only its shards between calls
+        calls = json.loads((two / f"rank{rank}-teacher.json").read_text())
+        assert len(calls) >= 2 and all(calls), (rank, calls)
 
     checkpoint = two / "run" / "checkpoints" / "step-2"
     assert sorted(p.name for p in checkpoint.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
