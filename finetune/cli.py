@@ -61,17 +61,18 @@ def run(args: argparse.Namespace) -> int:
     return run_config_command(args, "train", load_config, train, (NonFiniteLossError,))
 
 
-def run_config_command(args: argparse.Namespace, name: str, load, train_fn, stop_errors: tuple) -> int:
+def run_config_command(args: argparse.Namespace, name: str, load, train_fn, stop_errors: tuple, dry_run=None) -> int:
     """Load the config (with overrides), train, report; ``stop_errors`` end the run with exit code 3
-    (a problem found while training, the last checkpoint kept) instead of a traceback."""
+    (a problem found while training, the last checkpoint kept) instead of a traceback.
+    ``dry_run(config)``: what ``--dry-run`` prints (default: train's plan, :func:`finetune.dryrun.dry_run`)."""
     overrides = list(args.overrides)
     if args.output_dir:
         overrides.append(f"output_dir={args.output_dir}")
     config = load(args.config, overrides)
     logging.getLogger("finetune").setLevel(logging.INFO)
     if getattr(args, "dry_run", False):
-        from .dryrun import dry_run
-
+        if dry_run is None:
+            from .dryrun import dry_run
         dry_run(config)
         return 0
     try:

@@ -1,10 +1,14 @@
-"""``krea2 train CONFIG --dry-run``: set the run up on the meta device and print the memory plan
-of one process (see :mod:`finetune.engine.plan`). Reads no weights, trains nothing, and writes
-nothing in the output directory but ``dry-run.log``."""
+"""``krea2 train CONFIG --dry-run`` (and ``krea2 posttrain``): set the run up on the meta device
+and print the memory plan of one process (see :mod:`finetune.engine.plan`). Reads no weights,
+trains nothing, and writes nothing in the output directory but ``dry-run.log``.
+
+A run may hold several transformers (:class:`ModelCopies`): post-training's frozen reference /
+teacher, distillation's second trained model (the fake score) or second LoRA adapter."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,17 +21,37 @@ from .config import TrainConfig
 from .data.buckets import make_buckets
 from .engine.plan import (OPTIMIZER_STATE_BYTES, RUNTIME_OVERHEAD, MemoryPlan, activation_bytes, measure_activations,
                           quantized_linear_bytes, tensor_bytes)
-from .methods import add_lora, quantize_base
+from .methods import ADAPTER_NAME, add_lora, quantize_base
 
 LOG_NAME = "dry-run.log"
 PATCH = 16  # pixels per image token: VAE 8 x patch 2
 
 
-def _meta_inputs(config: TrainConfig, transformer_config: dict, dtype: torch.dtype) -> tuple[dict, tuple[int, int]]:
+@dataclass(frozen=True)
+class ModelCopies:
+    """The transformers one process holds, and the largest forward whose activations it keeps."""
+
+    trained: int = 1
+    """Full: transformers trained (fp32 master, gradients and optimizer state each, sharded)."""
+    frozen: int = 0
+    """Full: frozen copies (reference / teacher) in ``model.dtype``, sharded like the trained ones."""
+    frozen_name: str = "reference"
+    adapters: int = 1
+    """LoRA: adapter sets on the one frozen base (which is also the reference: adapters off)."""
+    forward_batch: int | None = None
+    """Samples whose activations are kept at once (default ``training.batch_size``)."""
+    image_size: tuple[int, int] | None = None
+    """(width, height) of those samples (default: the largest bucket of ``data.resolution``)."""
+    what: str = ""
+    """What the copies are, for the plan's first line."""
+
+
+def _meta_inputs(config: TrainConfig, transformer_config: dict, dtype: torch.dtype,
+                 copies: ModelCopies) -> tuple[dict, tuple[int, int]]:
     data = config.data
-    width, height = max(make_buckets(data.resolution, data.bucket_step, data.min_aspect_ratio, data.max_aspect_ratio),
-                        key=lambda b: b[0] * b[1])
-    batch, text = config.training.batch_size, config.model.max_sequence_length
+    width, height = copies.image_size or max(
+        make_buckets(data.resolution, data.bucket_step, data.min_aspect_ratio, data.max_aspect_ratio), key=lambda b: b[0] * b[1])
+    batch, text = copies.forward_batch or config.training.batch_size, config.model.max_sequence_length
     tokens = (width // PATCH) * (height // PATCH)
     with torch.device("meta"):
         inputs = dict(
@@ -56,7 +80,7 @@ def _frozen_bytes(model: nn.Module, quantize: str) -> int:
     return total + tensor_bytes(p for p in model.parameters() if not p.requires_grad and id(p) not in counted)
 
 
-def build_plan(config: TrainConfig, world_size: int) -> tuple[MemoryPlan, str]:
+def build_plan(config: TrainConfig, world_size: int, copies: ModelCopies = ModelCopies()) -> tuple[MemoryPlan, str]:
     """The plan for one process of a ``world_size``-process run, and a one-line description of the setup."""
     from .model import DTYPES, transformer_weights
 
@@ -75,7 +99,9 @@ def build_plan(config: TrainConfig, world_size: int) -> tuple[MemoryPlan, str]:
         if config.model.quantize == "fp8":
             quantize_base(model, "fp8", compute)
         with torch.device("meta"):
-            add_lora(model, config.lora)
+            names = (ADAPTER_NAME, *(f"adapter{i}" for i in range(1, copies.adapters)))
+            for param in add_lora(model, config.lora, adapter_names=names):
+                param.requires_grad_(True)
         offloaded = blocks[len(blocks) - training.offload_blocks:] if training.offload_blocks else []
         frozen = _frozen_bytes(model, config.model.quantize)
         if offloaded:
@@ -88,7 +114,8 @@ def build_plan(config: TrainConfig, world_size: int) -> tuple[MemoryPlan, str]:
         count = sum(p.numel() for p in model.parameters() if p.requires_grad)
         base = f"{config.model.quantize} " if config.model.quantize != "none" else f"{config.model.dtype} "
         plan.add(f"frozen base ({base.strip()}, full-precision layers kept)", frozen)
-        plan.add(f"LoRA r{config.lora.rank} weights (fp32, {count / 1e6:.1f}M)", trainable)
+        sets = f", {copies.adapters} adapters" if copies.adapters > 1 else ""
+        plan.add(f"LoRA r{config.lora.rank} weights (fp32, {count / 1e6:.1f}M{sets})", trainable)
         plan.add("LoRA gradients (fp32)", trainable)
         plan.add(f"optimizer state ({config.optimizer.name})", count * OPTIMIZER_STATE_BYTES[config.optimizer.name])
         what = f"LoRA r{config.lora.rank} on a {base}base"
@@ -96,34 +123,43 @@ def build_plan(config: TrainConfig, world_size: int) -> tuple[MemoryPlan, str]:
         model.float()
         shards = world_size if world_size > 1 else 1
         count = sum(p.numel() for p in model.parameters())
-        plan.add(f"fp32 master weights (1/{shards} shard)", 4 * count / shards)
-        plan.add("fp32 gradients (shard)", 4 * count / shards)
-        plan.add(f"optimizer state ({config.optimizer.name}, shard)", count * OPTIMIZER_STATE_BYTES[config.optimizer.name] / shards)
+        trained = count * copies.trained
+        times = f"{copies.trained} x " if copies.trained > 1 else ""
+        plan.add(f"fp32 master weights ({times}1/{shards} shard)", 4 * trained / shards)
+        plan.add("fp32 gradients (shard)", 4 * trained / shards)
+        plan.add(f"optimizer state ({config.optimizer.name}, shard)", trained * OPTIMIZER_STATE_BYTES[config.optimizer.name] / shards)
+        if copies.frozen:
+            times = f"{copies.frozen} x " if copies.frozen > 1 else ""
+            plan.add(f"frozen {copies.frozen_name} ({config.model.dtype}, {times}1/{shards} shard, no optimizer state)",
+                     copies.frozen * count * stored.itemsize / shards)
         if shards > 1:
             block = max(sum(p.numel() for p in b.parameters()) for b in blocks)
             # FSDP2: the block computing and the next one prefetched, gathered in the compute dtype,
-            # plus the unsharded gradients of one block before its reduce-scatter.
+            # plus the unsharded gradients of one block before its reduce-scatter. One model runs
+            # at a time, so a frozen copy's gathered blocks (no gradients) never add to these.
             plan.add("gathered blocks in flight (2) + one block's full gradients", block * (2 * compute.itemsize + 4))
         what = f"full fine-tune of {count / 1e9:.2f}B parameters over {shards} process(es)"
-    inputs, bucket = _meta_inputs(config, transformer_config, compute)
+    inputs, bucket = _meta_inputs(config, transformer_config, compute, copies)
     model.to(compute)
     for p in model.parameters():
         if not lora:
             p.requires_grad_(True)
     measured = measure_activations(model, inputs, blocks)
     mode = training.activation_checkpointing
-    plan.add(f"activations ({bucket[0]}x{bucket[1]} px, batch {training.batch_size}, checkpointing {mode})",
+    plan.add(f"activations ({bucket[0]}x{bucket[1]} px, batch {inputs['hidden_states'].shape[0]}, checkpointing {mode})",
              activation_bytes(measured, mode))
     plan.add("CUDA context, workspaces, fragmentation", RUNTIME_OVERHEAD)
     plan.notes.append("text encoder and VAE are off the GPU while training (features are cached first)")
+    if copies.what:
+        what = f"{what}; {copies.what}"
     return plan, what
 
 
-def dry_run(config: TrainConfig) -> str:
+def dry_run(config: TrainConfig, copies: ModelCopies = ModelCopies()) -> str:
     """Print and log the plan; returns the text. Nothing but ``dry-run.log`` is written."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    plan, what = build_plan(config, world_size)
+    plan, what = build_plan(config, world_size, copies)
     available, name = None, "cpu (no GPU detected)"
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())

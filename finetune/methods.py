@@ -77,12 +77,5 @@ def quantize_base(transformer: nn.Module, mode: str, compute_dtype: torch.dtype)
     return quantize_transformer_(transformer, mode, compute_dtype)
 
 
-def prepare_full_finetune(transformer: nn.Module) -> list[nn.Parameter]:
-    """Every parameter trains, in float32 (the optimizer's master copy)."""
-    transformer.float()
-    transformer.requires_grad_(True)
-    return list(transformer.parameters())
-
-
 def trainable_parameter_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad)

@@ -4,6 +4,8 @@ device for a full fine-tune, and the Turbo transformer for validation."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -56,30 +58,50 @@ def _plain_config(transformer: nn.Module) -> dict:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dict(transformer.config).items() if not k.startswith("_")}
 
 
-def build_sharded_transformer(config: TrainConfig, runtime) -> Krea2Transformer2DModel:
-    """A full fine-tune's transformer, never whole on one rank.
+def build_sharded_transformer(config: TrainConfig, runtime, *, trainable: bool = True,
+                              assemble: Callable[[Callable[[], nn.Module]], nn.Module] | None = None) -> nn.Module:
+    """A full fine-tune's transformer (or a frozen copy of it), never whole on one rank.
 
     meta-device build -> activation checkpointing -> per-block compile -> ``fully_shard`` per block
     then root (with more than one process) -> ``to_empty`` -> each rank reads its own rows of every
-    tensor from the file. float32 master weights.
+    tensor from the file.
+
+    Args:
+        trainable: float32 master weights that train. ``False``: a frozen copy (post-training's
+            reference / teacher) stored in ``model.dtype``, ``requires_grad`` off, in eval mode,
+            without activation checkpointing or mixed-precision casts; sharded the same way (so it
+            holds 1/N of the weights per rank and nothing in the optimizer), each block gathered for
+            its forward only. Its caller reshards the root after each forward (FSDP2 keeps a root
+            gathered after forward, expecting a backward).
+        assemble: builds the root from a factory of meta-device transformers, for a module that
+            trains several copies at once (distillation's student and fake score); each copy is
+            filled from the same weights. The root must list every copy's blocks in
+            ``transformer_blocks``. Default: one transformer.
     """
     from .engine.parallel import fully_shard_blocks, prepare_blocks
     from .engine.weights import load_local_shards_
 
     transformer_config, source = transformer_weights(config.model)
-    with torch.device("meta"):
-        model = Krea2Transformer2DModel(**transformer_config).float()
-    model.requires_grad_(True)
+    dtype = torch.float32 if trainable else DTYPES[config.model.dtype]
+
+    def make() -> Krea2Transformer2DModel:
+        with torch.device("meta"):
+            return Krea2Transformer2DModel(**transformer_config).to(dtype)
+
+    model = assemble(make) if assemble is not None else make()
+    model.requires_grad_(trainable)
     blocks = list(model.transformer_blocks)
-    prepare_blocks(blocks, config.training.activation_checkpointing, config.training.compile)
+    training = config.training
+    prepare_blocks(blocks, training.activation_checkpointing if trainable else "none", training.compile)
     if runtime.strategy == "fsdp":
-        fully_shard_blocks(model, blocks, config.training.mixed_precision)
+        fully_shard_blocks(model, blocks, training.mixed_precision if trainable else "no")
     model.to_empty(device=runtime.device)
     try:
-        load_local_shards_(model, source, where=config.model.pretrained_model_name_or_path)
+        for copy in [m for m in model.modules() if isinstance(m, Krea2Transformer2DModel)]:
+            load_local_shards_(copy, source, where=config.model.pretrained_model_name_or_path)
     finally:
         source.close()
-    return model.train()
+    return model.train(trainable)
 
 
 def load_turbo_pipeline(name_or_path: str, raw: Krea2Pipeline, dtype: str) -> Krea2Pipeline:

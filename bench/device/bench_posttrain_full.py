@@ -159,7 +159,7 @@ def main() -> int:
     rows = []
     if args.only in (None, "grpo"):
         model = build_model(args.config, device, dtype)
-        reference = Reference(model, lora=True)
+        reference = Reference()
         params = add_lora(model, LoRAConfig(rank=args.rank, alpha=float(args.rank)))
         model.enable_gradient_checkpointing()
         optimizer = make_optimizer(params, OptimizerConfig(learning_rate=1e-4))
@@ -174,7 +174,7 @@ def main() -> int:
             params = add_lora(base, LoRAConfig(rank=args.rank, alpha=float(args.rank)), adapter_names=("default", "fake"))
             base.enable_gradient_checkpointing()
             base.train()
-            reference = Reference(base, lora=True)
+            reference = Reference()
             student, fake = _adapter(base, "default", params), _adapter(base, "fake", params)
             teacher = lambda **inputs: (reference(base, **{k: v for k, v in inputs.items() if k != "return_dict"}),)
             optimizer = make_optimizer(params, OptimizerConfig(learning_rate=1e-5))

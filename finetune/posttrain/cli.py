@@ -1,4 +1,4 @@
-"""``krea2 posttrain CONFIG.yaml [--output-dir DIR] [--resume] [key=value ...]``: DPO, GRPO or
+"""``krea2 posttrain CONFIG.yaml [--output-dir DIR] [--resume] [--dry-run] [key=value ...]``: DPO, GRPO or
 TDM distillation (``method: dpo | grpo | distill``) on the training engine.
 
 Several processes: ``accelerate launch -m finetune.posttrain CONFIG.yaml`` (or ``torchrun``).
@@ -16,6 +16,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         subparsers, "posttrain",
         help="post-train (DPO, GRPO, TDM distillation) from a YAML config",
         description="Post-train Krea 2: method: dpo | grpo | distill (see examples/posttrain_*_tiny.yaml).",
+        dry_run=True,
     )
 
 
@@ -23,9 +24,10 @@ def run(args: argparse.Namespace) -> int:
     from ..trainer import NonFiniteLossError
     from .config import load_posttrain_config
     from .rewards import RewardError
-    from .run import posttrain
+    from .run import posttrain, posttrain_dry_run
 
-    return run_config_command(args, "posttrain", load_posttrain_config, posttrain, (NonFiniteLossError, RewardError))
+    return run_config_command(args, "posttrain", load_posttrain_config, posttrain, (NonFiniteLossError, RewardError),
+                              dry_run=posttrain_dry_run)
 
 
 def main(argv=None) -> int:

@@ -79,6 +79,14 @@ def pair_statistics(losses: PairLosses, beta: float, prefix: str) -> dict[str, f
 
 
 class DPOTrainer(PosttrainTrainer):
+    @classmethod
+    def model_copies(cls, config):
+        """Chosen and rejected go through the model in one forward, at the largest pair bucket."""
+        data = config.data
+        buckets = make_buckets(config.dpo.resolution, data.bucket_step, data.min_aspect_ratio, data.max_aspect_ratio)
+        return super().model_copies(config, forward_batch=2 * config.training.batch_size,
+                                    image_size=max(buckets, key=lambda b: b[0] * b[1]))
+
     def prepare_inputs(self) -> None:
         section, runtime = self.config.dpo, self.runtime
         manifest = Path(section.data) if section.data else self.out / "synthetic_pairs" / "pairs.jsonl"

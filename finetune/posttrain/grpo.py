@@ -50,6 +50,11 @@ def gaussian_step_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: float) -> 
 
 
 class GRPOTrainer(PosttrainTrainer):
+    @classmethod
+    def model_copies(cls, config):
+        """The update re-scores every rollout of the process's prompts in one forward."""
+        return super().model_copies(config, forward_batch=config.training.batch_size * config.grpo.group_size)
+
     def prepare_inputs(self) -> None:
         section = self.config.grpo
         self.prompts = self.config.prompt_list()

@@ -1,14 +1,16 @@
 """The frozen reference every post-training method compares against: the base weights.
 
 * LoRA: the trained model itself with its adapters switched off for the call; no second copy.
-* Full: a frozen copy taken before training starts (DPO's reference, GRPO's KL anchor, the
-  distillation teacher). On several processes each keeps its own unsharded copy.
+* Full: a frozen transformer built like the trained one (:func:`finetune.model.build_sharded_transformer`
+  with ``trainable=False``): on several processes an FSDP2-sharded module holding 1/N of the base
+  weights per rank, in ``model.dtype``, with no gradients and no optimizer state; each block is
+  gathered for its forward only and the root is resharded after every call. It is DPO's
+  reference, GRPO's KL anchor and the distillation teacher.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 
 import torch
 from torch import nn
@@ -17,22 +19,18 @@ from ..engine.parallel import unwrap
 
 
 class Reference:
-    def __init__(self, transformer: nn.Module, lora: bool, dtype: torch.dtype | None = None):
-        """Call before the adapters are added / the model is prepared for full training.
-
-        ``dtype``: storage of the full copy (default: the transformer's).
-        """
-        self.lora = lora
-        self.copy = None
-        if not lora:
-            self.copy = copy.deepcopy(transformer).requires_grad_(False).eval()
-            if dtype is not None:
-                self.copy.to(dtype)
+    def __init__(self, frozen: nn.Module | None = None):
+        """``frozen``: the full run's frozen base transformer; ``None`` for LoRA (adapters off)."""
+        self.frozen = frozen
 
     @contextlib.contextmanager
     def _base(self, model: nn.Module):
-        if self.copy is not None:
-            yield self.copy
+        if self.frozen is not None:
+            try:
+                yield self.frozen
+            finally:
+                if hasattr(self.frozen, "reshard"):  # FSDP2 keeps a root gathered after its forward
+                    self.frozen.reshard()
             return
         inner = unwrap(model)
         inner.disable_adapters()

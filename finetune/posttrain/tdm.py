@@ -15,7 +15,8 @@ trained alongside) learns the flow of the student's own step-k estimates with pl
 matching at times from the same segment, so it models that step's distribution. The
 teacher is RAW with CFG (``teacher_guidance``, Krea convention). No data: prompts only.
 
-Full: the student and a fake-score copy are trained, the teacher is a frozen copy. LoRA: the
+Full: the student and a fake-score copy are trained, the teacher is the frozen reference (all
+three built sharded from the meta device, see :mod:`.reference`). LoRA: the
 student and the fake score are two adapters on the one frozen base, which is the teacher with
 the adapters switched off (no second or third copy of the weights: fits where a LoRA does).
 
@@ -25,8 +26,8 @@ it reproduces Krea's Turbo recipe bit for bit.
 
 from __future__ import annotations
 
-import copy
 import math
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -35,7 +36,7 @@ from krea2_diffusers import sampling
 from krea2_diffusers.conditioning.text import pad_conditioning
 from krea2_diffusers.presets import DISTILLED_METADATA_KEY, STEPS_METADATA_KEY
 
-from ..methods import ADAPTER_NAME, add_lora, prepare_full_finetune
+from ..methods import ADAPTER_NAME, add_lora
 from ..engine.parallel import full_state_dict, unwrap
 from ..trainer import NonFiniteLossError
 from .rollout import initial_noise, text_inputs, text_positions, velocity
@@ -100,6 +101,16 @@ def dmd_student_loss(x0_hat: torch.Tensor, x0_fake: torch.Tensor, x0_teacher: to
 
 
 class DistillTrainer(PosttrainTrainer):
+    @classmethod
+    def model_copies(cls, config):
+        """Full: student + fake score trained (master + optimizer state each), teacher frozen.
+        LoRA: two adapters on the base, which is the teacher. The student's and the fake score's
+        forwards with gradients are both kept until the step's one backward."""
+        copies = super().model_copies(config, forward_batch=2 * config.training.batch_size)
+        if config.training.method == "lora":
+            return replace(copies, adapters=2, what="distill: student + fake score adapters, teacher = base, adapters off")
+        return replace(copies, trained=2, frozen_name="teacher", what="distill: student + fake score trained, teacher frozen")
+
     def prepare_inputs(self) -> None:
         self.lora = self.config.training.method == "lora"
         self.prompts = self.config.prompt_list()
@@ -114,16 +125,21 @@ class DistillTrainer(PosttrainTrainer):
         self.text = [(embeds[i:i + 1][:, mask[i]].cpu(), mask[i:i + 1][:, mask[i]].cpu()) for i in range(len(texts))]
 
     def trainable_module(self, transformer: nn.Module) -> nn.Module:
-        """Full: a container of the student and a fake-score copy. LoRA: two adapters on the one
-        base, the student's (``default``) and the fake score's; the teacher is the base itself."""
-        if self.lora:
-            params = add_lora(transformer, self.config.lora, adapter_names=(ADAPTERS["student"], FAKE_ADAPTER))
-            transformer.set_adapter(ADAPTERS["student"])
-            for param in params:
-                param.requires_grad_(True)
-            return transformer
-        prepare_full_finetune(transformer)
-        return StudentAndFakeScore(transformer, copy.deepcopy(transformer))
+        """LoRA: two adapters on the one base, the student's (``default``) and the fake score's;
+        the teacher is the base itself (adapters off)."""
+        params = add_lora(transformer, self.config.lora, adapter_names=(ADAPTERS["student"], FAKE_ADAPTER))
+        transformer.set_adapter(ADAPTERS["student"])
+        for param in params:
+            param.requires_grad_(True)
+        return transformer
+
+    def assemble_full(self, make) -> nn.Module:
+        """Full: the student and the fake score, two transformers both filled from the teacher's
+        weights and sharded block by block like one model (the teacher is the frozen reference)."""
+        return StudentAndFakeScore(make(), make())
+
+    def sampling_transformer(self, module: nn.Module) -> nn.Module:
+        return module.student
 
     def _fake_parameter_ids(self) -> set[int]:
         inner = unwrap(self.model)

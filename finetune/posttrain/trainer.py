@@ -5,20 +5,24 @@ checkpoints (``--resume``, on any number of processes), ``metrics.jsonl`` and th
 from the last checkpoint are the engine's. A method supplies its inputs (pairs or prompts, checked
 before any model loads), optionally what it trains, and one optimizer step.
 
-A full fine-tune here loads the transformer whole (the reference / teacher is a frozen copy of
-it) instead of the engine's sharded-from-meta build.
+A full fine-tune builds what it trains and its frozen reference / teacher with the engine's
+sharded-from-meta build (:func:`finetune.model.build_sharded_transformer`): on several processes
+no rank ever holds a whole copy. LoRA loads the base once; the reference is that base with the
+adapters switched off.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+from typing import Callable
 
 import torch
 
+from ..dryrun import ModelCopies
 from ..engine.loader import step_generator, step_layout
-from ..engine.parallel import wrap_model
-from ..methods import add_lora, prepare_full_finetune, quantize_base, trainable_parameter_count
+from ..engine.parallel import unwrap, wrap_model
+from ..methods import add_lora, quantize_base, trainable_parameter_count
 from ..optim import make_lr_scheduler, make_optimizer
 from ..rundir import check_output_dir
 from ..trainer import Trainer
@@ -32,6 +36,18 @@ class PosttrainTrainer(Trainer):
     config: PosttrainConfig
 
     # ---------------------------------------------------------------- hooks
+    @classmethod
+    def model_copies(cls, config: PosttrainConfig, forward_batch: int | None = None,
+                     image_size: tuple[int, int] | None = None) -> ModelCopies:
+        """What one process holds, for ``--dry-run``: the trained model and, full, the frozen
+        reference (LoRA: the base with the adapter off). ``forward_batch`` / ``image_size``: the
+        method's largest forward with gradients (default: ``training.batch_size`` squares of the
+        method's ``resolution``)."""
+        size = config.section.resolution
+        full = config.training.method == "full"
+        what = f"{config.method}: model trained, reference frozen" if full else f"{config.method}: reference = base, adapter off"
+        return ModelCopies(frozen=int(full), forward_batch=forward_batch, image_size=image_size or (size, size), what=what)
+
     def prepare_inputs(self) -> None:
         """Read and check the method's inputs; runs before any model loads."""
 
@@ -39,14 +55,19 @@ class PosttrainTrainer(Trainer):
         """Encode what needs the text encoder / VAE (the pipeline is loaded)."""
 
     def trainable_module(self, transformer: torch.nn.Module) -> torch.nn.Module:
-        """Attach LoRA adapters or prepare every weight; returns the module the engine trains."""
-        if self.lora:
-            compute = torch.float32 if self.config.model.dtype == "float32" else torch.bfloat16
-            quantize_base(transformer, self.config.model.quantize, compute)
-            add_lora(transformer, self.config.lora)
-        else:
-            prepare_full_finetune(transformer)
+        """LoRA: attach the adapters to the loaded base; returns the module the engine trains."""
+        compute = torch.float32 if self.config.model.dtype == "float32" else torch.bfloat16
+        quantize_base(transformer, self.config.model.quantize, compute)
+        add_lora(transformer, self.config.lora)
         return transformer
+
+    def assemble_full(self, make: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+        """Full: the trained root from a factory of meta-device transformers (default: one)."""
+        return make()
+
+    def sampling_transformer(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The transformer the pipeline samples with (validation) out of the full trained root."""
+        return module
 
     def param_groups(self) -> list:
         return self.params
@@ -67,28 +88,42 @@ class PosttrainTrainer(Trainer):
 
         from ..model import load_pipeline
 
-        self.pipe = load_pipeline(config.model, runtime.device)
+        # A full run builds its transformers sharded below; the pipeline only brings the encoders.
+        self.pipe = load_pipeline(config.model, runtime.device, **({} if self.lora else {"transformer": None}))
         self.encode_inputs()
         if runtime.device.type == "cuda":  # every prompt is encoded: the text encoder leaves the GPU
             self.pipe.text_encoder.to("cpu")
             torch.cuda.empty_cache()
-        transformer = self.pipe.transformer
-        torch.manual_seed(config.training.seed)
-        self.reference = Reference(transformer, lora=self.lora)
-        if not self.lora:
-            self.reference.copy.to(runtime.device)
-        module = self.trainable_module(transformer)
-        module.train()
-        t = config.training
-        self.model = wrap_model(module, self.trained_blocks(module), runtime, activation_checkpointing=t.activation_checkpointing,
-                                compile=t.compile, mixed_precision=t.mixed_precision, offloaded_blocks=t.offload_blocks)
+        torch.manual_seed(config.training.seed)  # LoRA A init: the same on every process
+        self.build_models()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.param_groups(), config.optimizer)
         self.lr_scheduler = make_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.max_steps)
         self.start_step = self._restore() if self.resume else 0
         if runtime.is_main:
             logger.info("%s: training %d parameters, %d process(es)", config.method,
-                        trainable_parameter_count(module), runtime.world_size)
+                        trainable_parameter_count(unwrap(self.model)), runtime.world_size)
+
+    def build_models(self) -> None:
+        """``self.model`` (wrapped for training) and ``self.reference``.
+
+        LoRA: adapters on the loaded base, DDP on several processes. Full: the trained root and
+        the frozen reference each built from the meta device and sharded (FSDP2) before any
+        weight is read, every rank reading only its own rows.
+        """
+        config, runtime, t = self.config, self.runtime, self.config.training
+        if self.lora:
+            self.reference = Reference()
+            module = self.trainable_module(self.pipe.transformer)
+            module.train()
+            self.model = wrap_model(module, self.trained_blocks(module), runtime, activation_checkpointing=t.activation_checkpointing,
+                                    compile=t.compile, mixed_precision=t.mixed_precision, offloaded_blocks=t.offload_blocks)
+            return
+        from ..model import build_sharded_transformer
+
+        self.reference = Reference(build_sharded_transformer(config, runtime, trainable=False))
+        self.model = build_sharded_transformer(config, runtime, assemble=self.assemble_full)
+        self.pipe.register_modules(transformer=self.sampling_transformer(self.model))
 
     def _loader(self):
         """Post-training methods make their own inputs each step (rollouts, pairs from the cache)."""

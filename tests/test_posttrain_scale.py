@@ -1,0 +1,202 @@
+"""Full-weight post-training on the engine's sharded build, with the most demanding method:
+distillation holds three transformers (student and fake score trained, teacher frozen).
+
+A mid-size (~90 MB fp32) original-layout file made on the fly, the tiny text encoder and VAE:
+
+* 2 real processes (torchrun, gloo): each rank's memory while its models are set up (RSS sampled
+  in the rank) is about half of what one process needs for the three copies, and the losses equal
+  a 1-process run's; the DCP checkpoint has one shard file per rank and no teacher in it;
+* that 2-process checkpoint resumed on 1 process continues with the 1-process run's losses and
+  exports the same student;
+* ``krea2 posttrain --dry-run`` prints the plan of the three copies, loads no weights and writes
+  nothing but ``dry-run.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from finetune.export import model_tensors
+from finetune.metrics import read_metrics
+from krea2_diffusers.tiny import proportioned_transformer_config, save_random_original_file
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = 6
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# Runs `python -m finetune.posttrain` with the trainer's model set-up (trained root + frozen
+# reference) wrapped in a probe (RSS sampled every 2 ms from a thread, see HostPeak), written as
+# {"rank", "growth"} bytes to PROBE_DIR/rank<R>.json; and after every call of the frozen teacher,
+# whether all its parameters are back to their shards, to PROBE_DIR/rank<R>-teacher.json.
+PROBE = '''
+import json, os, sys
+from torch.distributed.tensor import DTensor
+from finetune.engine.plan import HostPeak
+from finetune.posttrain.reference import Reference
+from finetune.posttrain.trainer import PosttrainTrainer
+
+build = PosttrainTrainer.build_models
+call = Reference.__call__
+
+def resharded(self, model, **inputs):
+    out = call(self, model, **inputs)
+    record = os.path.join(os.environ["PROBE_DIR"], f"rank{os.environ.get('RANK', '0')}-teacher.json")
+    previous = json.load(open(record)) if os.path.exists(record) else []
+    with open(record, "w") as f:
+        json.dump(previous + [all(isinstance(p, DTensor) for p in self.frozen.parameters())], f)
+    return out
+
+Reference.__call__ = resharded
+
+def probed(self):
+    with HostPeak() as probe:
+        build(self)
+    with open(os.path.join(os.environ["PROBE_DIR"], f"rank{self.runtime.rank}.json"), "w") as f:
+        json.dump({"rank": self.runtime.rank, "growth": probe.growth}, f)
+
+PosttrainTrainer.build_models = probed
+from finetune.posttrain.cli import main
+sys.exit(main())
+'''
+
+
+@pytest.fixture(scope="module")
+def medium_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("medium") / "krea2_medium.safetensors"
+    size = save_random_original_file(path, proportioned_transformer_config(num_layers=LAYERS), seed=0)
+    return path, size
+
+
+def _config(out: Path, model: Path, **training) -> dict:
+    return {
+        "output_dir": str(out), "method": "distill",
+        "model": {"pretrained_model_name_or_path": str(model), "text_encoder": "tiny-random", "vae": "tiny-random"},
+        "training": {"method": "full", "max_steps": 3, "batch_size": 1, "seed": 5, **training},
+        "optimizer": {"learning_rate": 1e-4, "max_grad_norm": 1.0},
+        "distill": {"prompts": ["a picture", "a landscape"], "student_steps": 4, "resolution": 32},
+        "checkpointing": {"every_n_steps": 2, "keep_last": 1},
+        "export": {"formats": ["original"]},
+        "logging": {"progress_bar": False, "tensorboard": False},
+    }
+
+
+def _run(config: dict, folder: Path, processes: int, *args: str, probe: bool = True) -> subprocess.CompletedProcess:
+    folder.mkdir(parents=True, exist_ok=True)
+    config_path = folder / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    script = folder / "probe.py"
+    script.write_text(PROBE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PROBE_DIR": str(folder)}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+    entry = [str(script)] if probe else ["-m", "finetune.posttrain"]
+    command = (launcher if processes > 1 else [sys.executable]) + entry + [str(config_path), *args]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
+    return done
+
+
+def _growth(folder: Path, processes: int) -> list[int]:
+    return [json.loads((folder / f"rank{r}.json").read_text())["growth"] for r in range(processes)]
+
+
+def _rows(out: Path) -> list[dict]:
+    return [{k: v for k, v in row.items() if k != "step_time"} for row in read_metrics(out)]
+
+
+def _assert_same_rows(got: list[dict], expected: list[dict]) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in expected]
+    for a, b in zip(got, expected):
+        assert a.keys() == b.keys()
+        for key in a:
+            torch.testing.assert_close(torch.tensor(a[key]), torch.tensor(b[key]), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"step {a['step']} {key}: {m}")
+
+
+def test_sharded_full_distillation_memory_losses_and_resume_from_2_to_1_process(tmp_path, medium_file):
+    model, fp32_bytes = medium_file
+    # One process, the run's global batch of 2, three steps: student + fake score (fp32) + teacher (fp32).
+    one = tmp_path / "one"
+    _run(_config(one / "run", model, batch_size=2), one, 1)
+    reference = _rows(one / "run")
+    assert len(reference) == 3
+    (one_growth,) = _growth(one, 1)
+    assert one_growth > 2.7 * fp32_bytes, (one_growth, fp32_bytes)
+
+    # Two processes, one sample each per step, stopped after step 2 (its checkpoint).
+    two = tmp_path / "two"
+    done = _run(_config(two / "run", model, max_steps=2), two, 2)
+    assert "2 process(es)" in done.stdout + done.stderr
+    # Each rank holds half of each of the three copies, read slice by slice from the file.
+    for rank_growth in _growth(two, 2):
+        assert rank_growth < 0.6 * one_growth, (rank_growth, one_growth)
+    _assert_same_rows(_rows(two / "run"), reference[:2])
+    for rank in range(2):  # the teacher, called every step, keeps only its shards between calls
+        calls = json.loads((two / f"rank{rank}-teacher.json").read_text())
+        assert len(calls) >= 2 and all(calls), (rank, calls)
+
+    checkpoint = two / "run" / "checkpoints" / "step-2"
+    assert sorted(p.name for p in checkpoint.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    names = set(model_tensors(checkpoint))
+    assert names == set(model_tensors(one / "run" / "checkpoints" / "step-3"))
+    assert {n.split(".")[0] for n in names} == {"student", "fake"}  # the frozen teacher is rebuilt, not saved
+
+    # Resume the 2-process checkpoint on 1 process: same global batch, the 1-process run's losses.
+    _run(_config(two / "run", model), two, 1, "--resume", probe=False)
+    _assert_same_rows(_rows(two / "run"), reference)
+    from safetensors.torch import load_file
+
+    resumed = load_file(str(two / "run" / "krea2_original.safetensors"))
+    expected = load_file(str(one / "run" / "krea2_original.safetensors"))
+    assert resumed.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(resumed[key], expected[key], rtol=1e-4, atol=1e-5)
+
+
+def test_posttrain_dry_run_plans_three_copies_and_loads_nothing(tmp_path, medium_file):
+    from finetune.config import build_config
+    from finetune.posttrain.config import PosttrainConfig
+    from finetune.posttrain.run import trainer_class
+    from finetune.dryrun import build_plan
+
+    model, fp32_bytes = medium_file
+    out = tmp_path / "run"
+    config = _config(out, model)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2"}
+    done = subprocess.run([sys.executable, "-m", "finetune.posttrain", str(path), "--dry-run"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "memory plan per process" in done.stdout and "2 process(es)" in done.stdout
+    assert "student + fake score trained, teacher frozen" in done.stdout
+    assert "frozen teacher (float32, 1/2 shard, no optimizer state)" in done.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["dry-run.log"]  # no weights read, no cache, no checkpoint
+
+    # The figures, per process of 2 (the file is float32: its size is the parameter bytes).
+    parsed = build_config(config, cls=PosttrainConfig)
+    plan, _ = build_plan(parsed, 2, trainer_class(parsed).model_copies(parsed))
+    rows = dict(plan.rows)
+    two_models = 2 * fp32_bytes / 2
+    assert rows["fp32 master weights (2 x 1/2 shard)"] == pytest.approx(two_models, rel=1e-3)
+    assert rows["fp32 gradients (shard)"] == pytest.approx(two_models, rel=1e-3)
+    assert rows["optimizer state (adamw, shard)"] == pytest.approx(2 * two_models, rel=1e-3)
+    assert rows["frozen teacher (float32, 1/2 shard, no optimizer state)"] == pytest.approx(fp32_bytes / 2, rel=1e-3)
+    assert any(k.startswith("activations (32x32 px, batch 2") for k in rows), rows
+    # LoRA distillation: two adapters on one base, which is the teacher (no further copy).
+    lora = build_config({**config, "training": {**config["training"], "method": "lora"}, "lora": {"rank": 4, "alpha": 4}},
+                        cls=PosttrainConfig)
+    lora_rows = dict(build_plan(lora, 1, trainer_class(lora).model_copies(lora))[0].rows)
+    assert not any("teacher" in k for k in lora_rows)
+    one_adapter = dict(build_plan(lora, 1)[0].rows)
+    weights = next(k for k in lora_rows if k.startswith("LoRA r4 weights"))
+    assert weights.endswith(", 2 adapters)")
+    single = next(v for k, v in one_adapter.items() if k.startswith("LoRA r4 weights"))
+    assert lora_rows[weights] == 2 * single
