@@ -24,9 +24,9 @@ import pytest
 import torch
 import yaml
 
-from finetune.export import model_tensors
+from finetune.export.writer import model_tensors
 from finetune.metrics import read_metrics
-from krea2_diffusers.tiny import proportioned_transformer_config, save_random_original_file
+from krea2_diffusers.models.tiny import proportioned_transformer_config, save_random_original_file
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = 6
