@@ -1,28 +1,40 @@
-"""TDM distillation of tiny-random into a 4-step student, measured outside the trainer.
+"""TDM distillation into a 4-step student, measured outside the trainer.
 
-Reference distribution: the teacher's own 24-step samples with CFG 3.5 from many seeds. The
-exported student is loaded back with ``from_single_file`` (recognised as distilled from its
-metadata: 4 steps, no CFG by default) and sampled from the same seeds; the sliced Wasserstein
-distance of its latents to the reference must beat the same weights run as a 4-step model before
-distillation (Turbo schedule, no CFG), i.e. the student learnt the guided, many-step teacher.
+The teacher is tiny-random *trained* first (a full fine-tune on the training engine) on images
+with two colours per prompt, so its velocity is the flow of a distribution it samples from and a
+4-step Euler run of it is measurably off (its samples are too spread); a random network's field
+is the flow of no distribution, and nothing can be distilled from it.
+
+Reference: the teacher's own 24-step samples with CFG 3.5. Candidates are drawn from other seeds
+(a distribution distance must not reward following the same noise), so the distance of the
+teacher's 24-step samples from those seeds is the floor set by the sample count. The exported
+student, loaded back with ``from_single_file`` (recognised as distilled from its metadata: 4
+steps, no CFG), must be closer (sliced Wasserstein distance on latents) to the reference than the
+teacher run at 4 steps with CFG, closing a clear part of the gap to the floor.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from finetune.config import build_config
 from finetune.metrics import read_metrics
 from finetune.posttrain.config import PosttrainConfig
 from finetune.posttrain.run import posttrain
-from krea2_diffusers import Krea2Pipeline
+from finetune.trainer import train
+from krea2_diffusers import Krea2Pipeline, Krea2Transformer2DModel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPTS = ["a picture", "a landscape"]
-SEEDS = 96
+COLOURS = {"a picture": [(220, 40, 40), (40, 60, 220)], "a landscape": [(40, 200, 60), (230, 220, 40)]}
+SIZE = 32
+SEEDS = 256
 PROJECTIONS = 256
+GUIDANCE = 3.5
 
 
 def sliced_wasserstein(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -34,41 +46,74 @@ def sliced_wasserstein(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((pa - pb) ** 2).mean().sqrt())
 
 
-def samples(pipe, steps, guidance, prompt) -> torch.Tensor:
-    generators = [torch.Generator().manual_seed(1000 + i) for i in range(SEEDS)]
-    return pipe([prompt] * SEEDS, height=64, width=64, num_inference_steps=steps, guidance_scale=guidance,
+def samples(pipe, steps, guidance, prompt, first_seed) -> torch.Tensor:
+    generators = [torch.Generator().manual_seed(first_seed + i) for i in range(SEEDS)]
+    return pipe([prompt] * SEEDS, height=SIZE, width=SIZE, num_inference_steps=steps, guidance_scale=guidance,
                 generator=generators, output_type="latent").images.flatten(1)
 
 
-def test_distilled_4_step_student_moves_toward_the_teachers_guided_many_step_samples(tmp_path):
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory) -> str:
+    """A diffusers folder: tiny-random with its transformer fully fine-tuned on 8 noisy flat images
+    per (prompt, colour), captions dropped 20% of the time so CFG has an unconditional branch."""
+    root = tmp_path_factory.mktemp("teacher")
+    data = root / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    index = 0
+    for prompt, colours in COLOURS.items():
+        for colour in colours:
+            for _ in range(8):
+                pixels = np.clip(np.array(colour)[None, None] + rng.normal(0, 12, (SIZE, SIZE, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(data / f"{index:03d}.png")
+                (data / f"{index:03d}.txt").write_text(prompt)
+                index += 1
+    result = train(build_config({
+        "output_dir": str(root / "run"), "model": {"pretrained_model_name_or_path": "tiny-random"},
+        "data": {"path": str(data), "resolution": SIZE, "caption_dropout": 0.2, "cache_dir": str(root / "cache")},
+        "training": {"method": "full", "max_steps": 400, "batch_size": 8, "seed": 0},
+        "optimizer": {"learning_rate": 2.0e-3}, "objective": {"timestep_sampling": "uniform", "shift": "none"},
+        "checkpointing": {"every_n_steps": 1000}, "export": {"formats": ["diffusers"]},
+        "logging": {"progress_bar": False, "tensorboard": False},
+    }))
+    pipe = Krea2Pipeline.from_pretrained("tiny-random")
+    pipe.transformer = Krea2Transformer2DModel.from_pretrained(result.output_dir / "transformer")
+    pipe.save_pretrained(root / "pipe")
+    return str(root / "pipe")
+
+
+def test_distilled_4_step_student_is_closer_to_the_teachers_guided_many_step_samples(tmp_path, teacher):
     config = {
         "output_dir": str(tmp_path / "run"), "method": "distill",
-        "model": {"pretrained_model_name_or_path": "tiny-random"},
-        "training": {"method": "full", "max_steps": 30, "batch_size": 4, "seed": 0},
-        "optimizer": {"learning_rate": 3.0e-5},
-        "distill": {"prompts": PROMPTS, "student_steps": 4, "teacher_steps": 24, "teacher_guidance": 3.5, "resolution": 64},
-        "checkpointing": {"every_n_steps": 100}, "export": {"formats": ["original"]},
+        "model": {"pretrained_model_name_or_path": teacher},
+        "training": {"method": "full", "max_steps": 200, "batch_size": 8, "seed": 0},
+        "optimizer": {"learning_rate": 1.0e-3},
+        "distill": {"prompts": PROMPTS, "student_steps": 4, "teacher_steps": 24, "teacher_guidance": GUIDANCE,
+                    "resolution": SIZE, 
+                    # On this tiny teacher the score difference is mostly the fake score's noise:
+                    # at weight 1 it outweighs the trajectory term (see the issue note's figures).
+                    "distribution_weight": 0.02},
+        "checkpointing": {"every_n_steps": 1000}, "export": {"formats": ["original"]},
         "logging": {"progress_bar": False, "tensorboard": False},
     }
     result = posttrain(build_config(config, cls=PosttrainConfig))
-    assert [r["step"] for r in read_metrics(result.output_dir)] == list(range(1, 31))
+    assert [r["step"] for r in read_metrics(result.output_dir)] == list(range(1, 201))
 
     student = Krea2Pipeline.from_single_file(result.output_dir / "krea2_original.safetensors",
                                              text_encoder="tiny-random", vae="tiny-random")
     student.set_progress_bar_config(disable=True)
     assert student.is_distilled and student.preset.num_inference_steps == 4 and student.preset.guidance_scale == 0.0
-    teacher = Krea2Pipeline.from_pretrained("tiny-random")
-    teacher.set_progress_bar_config(disable=True)
-    undistilled = Krea2Pipeline.from_pretrained("tiny-random", is_distilled=True)
-    undistilled.set_progress_bar_config(disable=True)
+    reference_pipe = Krea2Pipeline.from_pretrained(teacher)
+    reference_pipe.set_progress_bar_config(disable=True)
     for prompt in PROMPTS:
-        reference = samples(teacher, 24, 3.5, prompt)
-        distance = sliced_wasserstein(samples(student, None, None, prompt), reference)
-        before = sliced_wasserstein(samples(undistilled, 4, 0.0, prompt), reference)
-        teacher_4 = sliced_wasserstein(samples(teacher, 4, 3.5, prompt), reference)
-        print(f"{prompt!r}: SWD to teacher 24-step CFG: student {distance:.4f}, before distillation {before:.4f}, "
-              f"teacher at 4 steps with CFG {teacher_4:.4f}")
-        assert distance < 0.97 * before
+        reference = samples(reference_pipe, 24, GUIDANCE, prompt, 1000)
+        floor = sliced_wasserstein(samples(reference_pipe, 24, GUIDANCE, prompt, 50_000), reference)
+        teacher_4 = sliced_wasserstein(samples(reference_pipe, 4, GUIDANCE, prompt, 50_000), reference)
+        distance = sliced_wasserstein(samples(student, None, None, prompt, 50_000), reference)
+        print(f"{prompt!r}: SWD to the teacher's 24-step CFG samples: student {distance:.4f}, teacher at 4 steps with CFG "
+              f"{teacher_4:.4f}, teacher at 24 steps on other seeds (floor) {floor:.4f}")
+        assert floor < teacher_4, "the 4-step teacher must be measurably off for the test to mean anything"
+        assert teacher_4 - distance > 0.25 * (teacher_4 - floor)
 
 
 def test_lora_distillation_trains_two_adapters_and_exports_the_students(tmp_path):

@@ -104,13 +104,20 @@ class GRPOConfig(PromptSource):
 class DistillConfig(PromptSource):
     student_steps: int = 8
     teacher_steps: int = 28
-    """The teacher's own step count (recorded; training is data-free and never samples the teacher)."""
+    """The teacher's step count for the whole trajectory: the trajectory term runs
+    ``teacher_steps / student_steps`` teacher steps (with CFG) per student step."""
     teacher_guidance: float = 3.5
     """CFG of the teacher (Krea convention, RAW's default); the student learns guidance in."""
     negative_prompt: str = ""
     resolution: int = 1024
     fake_learning_rate: float | None = None
     """Learning rate of the fake-score model (default: ``optimizer.learning_rate``)."""
+    distribution_weight: float = 1.0
+    """Weight of TDM's distribution-matching term (DMD's score difference through the fake score)."""
+    trajectory_weight: float = 1.0
+    """Weight of TDM's trajectory-matching term: on each of the student's own states, its one step
+    over the segment regresses onto the teacher's ``teacher_steps / student_steps`` guided Euler
+    steps over the same segment (0 = distribution matching alone)."""
     fake_updates_per_step: int = 1
     """Fake-score optimizer updates before each student update (DMD2's two time-scales, which
     uses 5): the student's gradient is the fake score's error, so a lagging fake score misleads it."""
@@ -161,6 +168,11 @@ class PosttrainConfig(TrainConfig):
         if name == "distill":
             if section.student_steps < 1 or section.teacher_steps < 1:
                 raise ConfigError("distill.student_steps and distill.teacher_steps must be positive")
+            for key in ("distribution_weight", "trajectory_weight"):
+                if getattr(section, key) < 0:
+                    raise ConfigError(f"distill.{key} must be >= 0, got {getattr(section, key)}")
+            if section.distribution_weight == section.trajectory_weight == 0:
+                raise ConfigError("distill.distribution_weight and distill.trajectory_weight are both 0: nothing to learn")
             if section.fake_updates_per_step < 1:
                 raise ConfigError(f"distill.fake_updates_per_step must be at least 1, got {section.fake_updates_per_step}")
 

@@ -1,27 +1,33 @@
 """``method: distill``: trajectory distribution matching (TDM), data-free, few steps.
 
 The student (initialised from the teacher) samples with the Turbo schedule in ``K =
-distill.student_steps`` Euler steps. Each training step picks a student step ``k`` at random,
-runs the student to ``x_{t_k}`` without gradients, and takes its clean estimate
-``x0_hat = x_{t_k} - t_k v_student``. Distribution matching (DMD's score difference) is applied
-*inside that step's segment*: ``tau ~ U(t_{k+1}, t_k)``, ``x_tau = (1 - tau) x0_hat + tau eps`` and::
+distill.student_steps`` Euler steps. Each training step picks a student step ``k`` at random and
+runs the student to ``x_{t_k}`` without gradients; its velocity ``v`` there (with gradients) gives
+the clean estimate ``x0_hat = x_{t_k} - t_k v``. Two terms train it, both on the student's *own*
+states, so every step of its trajectory is taught, not only the last:
 
-    g = (x0_fake(x_tau) - x0_teacher_cfg(x_tau)) / mean|x0_hat - x0_teacher_cfg|
-    student loss = 1/2 |x0_hat - sg(x0_hat - g)|^2
+* distribution matching (DMD's score difference, ``distribution_weight``) inside that step's
+  segment: ``tau ~ U(t_{k+1}, t_k)``, ``x_tau = (1 - tau) x0_hat + tau eps`` and::
 
-so every intermediate state of the student's trajectory is pulled toward the teacher's marginal
-at that time, not only the final sample. The fake-score model (initialised from the teacher,
-trained alongside) learns the flow of the student's own step-k estimates with plain flow
-matching at times from the same segment, so it models that step's distribution. The
-teacher is RAW with CFG (``teacher_guidance``, Krea convention). No data: prompts only.
+      g = (x0_fake(x_tau) - x0_teacher_cfg(x_tau)) / mean|x0_hat - x0_teacher_cfg|
+      loss = 1/2 |x0_hat - sg(x0_hat - g)|^2
+
+  The fake-score model (initialised from the teacher) takes ``fake_updates_per_step`` flow-
+  matching updates on the student's step-k estimates at times from the same segment before each
+  student update, so it models that step's distribution;
+* trajectory matching (``trajectory_weight``): ``|v - (x^T_{t_{k+1}} - x_{t_k}) / (t_{k+1} - t_k)|^2``
+  where ``x^T_{t_{k+1}}`` is the teacher's own guided ODE over the segment in
+  ``teacher_steps / student_steps`` Euler steps from the same state.
+
+The teacher is RAW with CFG (``teacher_guidance``, Krea convention). No data: prompts only.
 
 Full: the student and a fake-score copy are trained, the teacher is the frozen reference (all
 three built sharded from the meta device, see :mod:`.reference`). LoRA: the
 student and the fake score are two adapters on the one frozen base, which is the teacher with
 the adapters switched off (no second or third copy of the weights: fits where a LoRA does).
 
-This is our reading of TDM (trajectory-level DMD with segment-restricted times); we do not claim
-it reproduces Krea's Turbo recipe bit for bit.
+This is our reading of TDM (distribution and trajectory matching on the student's trajectory,
+segment-restricted times); we do not claim it reproduces Krea's Turbo recipe bit for bit.
 """
 
 from __future__ import annotations
@@ -104,9 +110,9 @@ class DistillTrainer(PosttrainTrainer):
     @classmethod
     def model_copies(cls, config):
         """Full: student + fake score trained (master + optimizer state each), teacher frozen.
-        LoRA: two adapters on the base, which is the teacher. The student's and the fake score's
-        forwards with gradients are both kept until the step's one backward."""
-        copies = super().model_copies(config, forward_batch=2 * config.training.batch_size)
+        LoRA: two adapters on the base, which is the teacher. The fake score's updates and the
+        student's each run their own backward, so one batch of activations is held at a time."""
+        copies = super().model_copies(config)
         if config.training.method == "lora":
             return replace(copies, adapters=2, what="distill: student + fake score adapters, teacher = base, adapters off")
         return replace(copies, trained=2, frozen_name="teacher", what="distill: student + fake score trained, teacher frozen")
@@ -190,6 +196,20 @@ class DistillTrainer(PosttrainTrainer):
         tau = torch.rand(total, generator=generator, dtype=torch.float64)[mine]
         return (t_after + (t_k - t_after) * tau).clamp_min(MIN_TAU).float().to(self.runtime.device)
 
+    @torch.no_grad()
+    def teacher_segment_velocity(self, latents, t_k: float, t_after: float, embeds, mask, uncond, uncond_mask) -> torch.Tensor:
+        """(B, N, C) mean velocity of the teacher's guided ODE over the segment [t_k -> t_{k+1}]:
+        ``(x_{t_{k+1}} - x_{t_k}) / (t_{k+1} - t_k)`` after ``teacher_steps / student_steps``
+        Euler steps of the teacher with CFG, from the student's own state ``latents``."""
+        section = self.config.distill
+        substeps = max(1, round(section.teacher_steps / section.student_steps))
+        times = torch.linspace(t_k, t_after, substeps + 1, dtype=torch.float64).tolist()
+        x = latents
+        for t, t_next in zip(times[:-1], times[1:]):
+            t_vec = torch.full((x.shape[0],), t, device=x.device)
+            x = sampling.euler_step(x, self.teacher_velocity(x, t_vec, embeds, mask, uncond, uncond_mask), t, t_next)
+        return (x - latents) / (t_after - t_k)
+
     def _fake_update(self, sample: torch.Tensor, tau: torch.Tensor, eps: torch.Tensor, embeds, mask) -> torch.Tensor:
         """One optimizer step of the fake score alone: flow matching on the student's step-k
         estimates ``sample`` (B, N, C) diffused to ``tau`` (B,), so it models that step's
@@ -240,26 +260,37 @@ class DistillTrainer(PosttrainTrainer):
 
         # ... then the student's estimate (now with gradients) is pulled toward the teacher's
         # marginal by the score difference, at times inside the segment (t_{k+1}, t_k].
-        x0_hat = latents - t_k * self._forward("student", latents, t_vec, embeds, mask)
+        student_v = self._forward("student", latents, t_vec, embeds, mask)
+        x0_hat = latents - t_k * student_v
         tau, eps = self._segment_times(generator, total, mine, t_k, t_after), draw_eps()
         noisy = (1 - tau.view(-1, 1, 1)) * x0_hat.detach() + tau.view(-1, 1, 1) * eps
         with torch.no_grad():
             x0_teacher = noisy - tau.view(-1, 1, 1) * self.teacher_velocity(noisy, tau, embeds, mask, uncond, uncond_mask)
             x0_fake = noisy - tau.view(-1, 1, 1) * self._forward("fake", noisy, tau, embeds, mask)
-        student_loss = dmd_student_loss(x0_hat, x0_fake, x0_teacher)
+        student_loss = section.distribution_weight * dmd_student_loss(x0_hat, x0_fake, x0_teacher)
+        trajectory_loss = torch.zeros((), device=device)
+        if section.trajectory_weight:
+            # Trajectory matching on the student's own states: its one step over the segment
+            # follows the teacher's many guided steps over the same segment.
+            target = self.teacher_segment_velocity(latents, t_k, t_after, embeds, mask, uncond, uncond_mask)
+            trajectory_loss = (student_v - target).pow(2).flatten(1).mean(1).mean()
+            student_loss = student_loss + section.trajectory_weight * trajectory_loss
         value = float(runtime.mean(student_loss + fake_loss))
         if not math.isfinite(value):
             raise NonFiniteLossError(f"distillation loss is {value} at step {step + 1} on prompts "
                                      f"{[self.prompts[i] for i in global_ids]}; the last checkpoint is kept in {self.checkpointer.folder}")
-        student_loss.backward()
         if self.lora:
-            unwrap(self.model).set_adapter(ADAPTERS["student"])  # what validation and exports see
+            # The teacher calls (adapters off and on) leave PEFT's requires_grad on the active
+            # adapter only; a parameter not requiring grad at backward gets none. The student's
+            # adapter is also what validation and exports see.
+            unwrap(self.model).set_adapter(ADAPTERS["student"])
             for param in self.params:
                 param.requires_grad_(True)
+        student_loss.backward()
         grad_norm = self.optimizer_step()
         self.lr_scheduler.step()
         self.extra_metrics = {"student_loss": float(runtime.mean(student_loss)), "fake_loss": float(runtime.mean(fake_loss)),
-                              "student_step": float(k)}
+                              "trajectory_loss": float(runtime.mean(trajectory_loss)), "student_step": float(k)}
         return value, grad_norm
 
     # ---------------------------------------------------------------- export
