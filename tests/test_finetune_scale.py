@@ -27,6 +27,7 @@ from finetune.export.writer import model_tensors
 from finetune.metrics import read_metrics
 from finetune.trainer import Trainer
 from krea2_diffusers.models.tiny import proportioned_transformer_config, save_random_original_file
+from launcher import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -77,15 +78,9 @@ def _config(out: Path, cache: Path, model: Path, **training) -> dict:
 
 def _run(config: dict, folder: Path, processes: int, *args: str) -> str:
     folder.mkdir(parents=True, exist_ok=True)
-    config_path = folder / "config.yaml"
-    config_path.write_text(yaml.safe_dump(config))
     probe = folder / "probe.py"
     probe.write_text(PROBE)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PROBE_DIR": str(folder)}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
-    command = (launcher if processes > 1 else [sys.executable]) + [str(probe), str(config_path), *args]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
+    done = launch(config, folder, processes, [str(probe)], *args)
     return done.stdout + done.stderr
 
 

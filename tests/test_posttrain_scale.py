@@ -27,6 +27,7 @@ import yaml
 from finetune.export.writer import model_tensors
 from finetune.metrics import read_metrics
 from krea2_diffusers.models.tiny import proportioned_transformer_config, save_random_original_file
+from launcher import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = 6
@@ -90,17 +91,9 @@ def _config(out: Path, model: Path, **training) -> dict:
 
 def _run(config: dict, folder: Path, processes: int, *args: str, probe: bool = True) -> subprocess.CompletedProcess:
     folder.mkdir(parents=True, exist_ok=True)
-    config_path = folder / "config.yaml"
-    config_path.write_text(yaml.safe_dump(config))
     script = folder / "probe.py"
     script.write_text(PROBE)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PROBE_DIR": str(folder)}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
-    entry = [str(script)] if probe else ["-m", "finetune.posttrain"]
-    command = (launcher if processes > 1 else [sys.executable]) + entry + [str(config_path), *args]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
-    return done
+    return launch(config, folder, processes, [str(script)] if probe else ["-m", "finetune.posttrain"], *args, timeout=300)
 
 
 def _growth(folder: Path, processes: int) -> list[int]:

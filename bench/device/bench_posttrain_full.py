@@ -82,6 +82,10 @@ def grpo_iteration(model, reference, optimizer, args, device, dtype) -> None:
 
 
 def tdm_step(student, fake, teacher, optimizer, args, device, dtype) -> None:
+    """One distillation step as the trainer runs it at its most expensive student step (k = K-1):
+    the student's trajectory without gradients, one fake-score update with its own backward, then
+    the student's update from distribution matching (teacher with CFG + fake score) and trajectory
+    matching (teacher_steps / student_steps guided teacher steps over the segment)."""
     b = args.prompts
     embeds, mask = _text(args.config, b, args.text_len, device, dtype)
     uncond, uncond_mask = _text(args.config, b, args.text_len, device, dtype)
@@ -91,24 +95,43 @@ def tdm_step(student, fake, teacher, optimizer, args, device, dtype) -> None:
     k = args.student_steps - 1  # the longest trajectory: the most expensive step
     raw = lambda e, m: text_inputs(torch.nn.Identity(), e, m, args.resolution, args.resolution, reuse=False)
     cond, both = raw(embeds, mask), raw(torch.cat([embeds, uncond]), torch.cat([mask, uncond_mask]))
+
+    def guided(x, t):
+        v_cond, v_uncond = velocity(teacher, torch.cat([x, x]), t, both).chunk(2)
+        return sampling.guided_velocity(v_cond, v_uncond, 3.5)
+
+    def optimizer_step():
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         with torch.no_grad():
             for i in range(k):
                 latents = sampling.euler_step(latents, velocity(student, latents, times[i], cond), times[i], times[i + 1])
-        x0_hat = latents - times[k] * velocity(student, latents, times[k], cond)
+            sample = latents - times[k] * velocity(student, latents, times[k], cond)
         tau = torch.full((b, 1, 1), 0.5 * times[k], device=device)
+        eps = torch.randn_like(sample)
+        noisy = (1 - tau) * sample + tau * eps
+        fake_loss = (velocity(fake, noisy, float(tau[0]), cond) - (eps - sample)).pow(2).mean()
+        fake_loss.backward()
+        optimizer_step()
+
+        v = velocity(student, latents, times[k], cond)
+        x0_hat = latents - times[k] * v
         noisy = (1 - tau) * x0_hat.detach() + tau * torch.randn_like(x0_hat)
         with torch.no_grad():
-            v_both = velocity(teacher, torch.cat([noisy, noisy]), float(tau[0]), both).chunk(2)
-            x0_teacher = noisy - tau * sampling.guided_velocity(v_both[0], v_both[1], 3.5)
+            x0_teacher = noisy - tau * guided(noisy, float(tau[0]))
             x0_fake = noisy - tau * velocity(fake, noisy, float(tau[0]), cond)
-        loss = dmd_student_loss(x0_hat, x0_fake, x0_teacher)
-        fake_v = velocity(fake, noisy, float(tau[0]), cond)
-        loss = loss + (fake_v - (torch.randn_like(fake_v) - x0_hat.detach())).pow(2).mean()
+            substeps = max(1, round(args.teacher_steps / args.student_steps))
+            segment = torch.linspace(times[k], times[k + 1], substeps + 1).tolist()
+            x = latents
+            for t, t_next in zip(segment[:-1], segment[1:]):
+                x = sampling.euler_step(x, guided(x, t), t, t_next)
+            target = (x - latents) / (times[k + 1] - times[k])
+        loss = dmd_student_loss(x0_hat, x0_fake, x0_teacher) + (v - target).pow(2).mean()
     loss.backward()
-    if optimizer is not None:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    optimizer_step()
 
 
 def _adapter(model, name: str, params):
@@ -148,6 +171,7 @@ def main() -> int:
     parser.add_argument("--student-steps", type=int, default=8)
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--tdm", choices=["lora", "full"], default="lora")
+    parser.add_argument("--teacher-steps", type=int, default=52, help="TDM: the trajectory term runs teacher_steps / student_steps teacher steps")
     parser.add_argument("--optimizer", choices=["adamw8bit", "none"], default="none", help="--tdm full only")
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()

@@ -6,7 +6,8 @@ applies the plan and returns a sentence saying what it chose. The options, cheap
 
 1. everything resident on the accelerator;
 2. model CPU offload: one component (text encoder, transformer, VAE) on the accelerator at a time;
-3. + fp8 weight storage for the transformer, bf16 compute (diffusers layerwise casting);
+3. + fp8 weight storage for the transformer's block matrices, bf16 compute (the project's one fp8
+   layer, per-row scaled :class:`~krea2_diffusers.quantization.fp8.Fp8Linear`);
 4. + bitsandbytes NF4 for the transformer, then also for the text encoder (only when
    bitsandbytes can run; asking for it explicitly where it cannot is an error, see ``quantization.bnb``);
 5. fp8 transformer with block-level group offload, and the text encoder group-offloaded too:
@@ -29,7 +30,7 @@ PRESET_BUDGET_GIB = {"24gb": 24, "16gb": 16, "12gb": 12, "8gb": 8}
 # Activations of a 1024x1024 CFG step plus the CUDA context and allocator slack.
 ACTIVATION_HEADROOM = 3 * GIB
 BF16_BYTES = 2
-FP8_RATIO = 0.5  # fp8 storage vs bf16 for the cast layers
+FP8_RATIO = 0.5  # fp8 storage vs bf16 for the quantized layers (one fp32 scale per row aside)
 NF4_RATIO = 0.28  # 4 bits + one fp32 absmax per 64 weights vs 16 bits, kept layers included
 # A "16 GB" card exposes a little less, and the CUDA context and fragmentation take their share.
 USABLE_FRACTION = 0.9
@@ -137,7 +138,7 @@ def _describe(memory: str, plan: MemoryPlan, device: torch.device) -> str:
     }[plan.offload]
     parts = [placement]
     if plan.transformer_storage == "fp8":
-        parts.append("transformer weights stored fp8, computed in bf16 (layerwise casting)")
+        parts.append("transformer weights stored fp8 with a scale per row, computed in bf16")
     elif plan.transformer_storage == "nf4":
         parts.append("transformer weights NF4 (bitsandbytes)")
     if plan.text_encoder_storage == "nf4":
@@ -166,8 +167,10 @@ def apply_plan(pipe, plan: MemoryPlan, device: torch.device) -> None:
     """Apply ``plan`` to ``pipe`` in place (storage changes first, then placement)."""
     compute = torch.bfloat16 if device.type == "cuda" or plan.transformer_storage else pipe.transformer.dtype
     if plan.transformer_storage == "fp8":
+        from ..quantization.fp8 import quantize_transformer_fp8_
+
         _cast_for_compute(pipe.transformer, compute)
-        pipe.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=compute)
+        quantize_transformer_fp8_(pipe.transformer, compute_dtype=compute)
     elif plan.transformer_storage == "nf4":
         from ..quantization.bnb import quantize_transformer_
 
