@@ -101,10 +101,10 @@ def load(fmt: str, folder: Path):
     source = "fp32" if fmt == "fp32" else "bf16"
     # the converted formats are built from a float32 load: their load peak includes that copy
     model = Krea2Transformer2DModel.from_single_file(folder / f"{source}.safetensors", torch_dtype=torch.float32)
-    if fmt == "fp8":
-        # img_in stays float32: the model reads its compute dtype from that layer
-        model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32,
-                                       skip_modules_pattern=("time_embed", "norm", "img_in"))
+    if fmt == "fp8":  # the project's one fp8 layer (per-row scale), as `memory=` presets and `krea2 quantize` use it
+        from krea2_diffusers.quantization.fp8 import quantize_transformer_fp8_
+
+        quantize_transformer_fp8_(model, compute_dtype=torch.float32)
     elif fmt in ("int8", "nf4"):
         from krea2_diffusers.quantization.bnb import quantize_transformer_
 

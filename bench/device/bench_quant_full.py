@@ -79,8 +79,10 @@ def build(config: dict, fmt: str, device: torch.device) -> nn.Module:
         value = torch.empty(param.shape, dtype=dtype, device=device).normal_(0, WEIGHT_STD)
         parent, _, attr = name.rpartition(".")
         model.get_submodule(parent)._parameters[attr] = nn.Parameter(value, requires_grad=False)
-    if fmt == "fp8":
-        model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    if fmt == "fp8":  # the project's one fp8 layer (per-row scale), as the `memory=` presets use it
+        from krea2_diffusers.quantization.fp8 import quantize_transformer_fp8_
+
+        quantize_transformer_fp8_(model, compute_dtype=torch.bfloat16)
     elif fmt == "nf4":
         from krea2_diffusers.quantization.bnb import quantize_transformer_
 
