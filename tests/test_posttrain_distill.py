@@ -140,3 +140,23 @@ def test_lora_distillation_trains_two_adapters_and_exports_the_students(tmp_path
     assert tensors and not any("fake" in k for k in tensors)
     pipe = Krea2Pipeline.from_pretrained("tiny-random", is_distilled=True)
     pipe.load_lora_weights(result.output_dir / "lora_diffusers.safetensors")
+
+
+def test_trajectory_only_distillation_leaves_the_fake_score_alone(tmp_path):
+    """``distribution_weight: 0``: no fake-score work at all; the trajectory term alone trains the student."""
+    config = {
+        "output_dir": str(tmp_path / "run"), "method": "distill",
+        "model": {"pretrained_model_name_or_path": "tiny-random"},
+        "training": {"method": "lora", "max_steps": 2, "batch_size": 2, "seed": 0},
+        "lora": {"rank": 4, "alpha": 4}, "optimizer": {"learning_rate": 1.0e-3},
+        "distill": {"prompts": PROMPTS, "student_steps": 4, "resolution": 32, "distribution_weight": 0.0},
+        "export": {"formats": []}, "logging": {"progress_bar": False, "tensorboard": False},
+    }
+    from finetune.posttrain.run import trainer_for
+
+    trainer = trainer_for(build_config(config, cls=PosttrainConfig))
+    trainer.train()
+    moved = {name: any(float(p.detach().abs().max()) > 0 for n, p in trainer.model.named_parameters() if f".lora_B.{name}." in n)
+             for name in ("default", "fake")}
+    assert moved == {"default": True, "fake": False}
+    assert all(row["fake_loss"] == 0 and row["trajectory_loss"] > 0 for row in read_metrics(trainer.out))

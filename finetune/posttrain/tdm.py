@@ -213,7 +213,7 @@ class DistillTrainer(PosttrainTrainer):
     def _fake_update(self, sample: torch.Tensor, tau: torch.Tensor, eps: torch.Tensor, embeds, mask) -> torch.Tensor:
         """One optimizer step of the fake score alone: flow matching on the student's step-k
         estimates ``sample`` (B, N, C) diffused to ``tau`` (B,), so it models that step's
-        distribution (the trajectory-level part of TDM). Returns the loss."""
+        distribution (the segment-restricted part of TDM's distribution matching). Returns the loss."""
         noisy = (1 - tau.view(-1, 1, 1)) * sample + tau.view(-1, 1, 1) * eps
         fake_v = self._forward("fake", noisy, tau, embeds, mask)
         loss = (fake_v - (eps - sample)).pow(2).flatten(1).mean(1).mean()
@@ -225,8 +225,9 @@ class DistillTrainer(PosttrainTrainer):
     def train_step(self, step: int, items=None) -> tuple[float, float]:
         """``distill.fake_updates_per_step`` updates of the fake score on the student's current
         estimates (DMD2's two time-scales: the score difference is only as good as the fake
-        score), then one update of the student."""
-        config, runtime, section = self.config, self.runtime, self.config.distill
+        score), then one update of the student. With ``distribution_weight: 0`` the fake score
+        and its teacher call are skipped (only the trajectory term trains the student)."""
+        runtime, section = self.runtime, self.config.distill
         total = self.global_batch.micro_batch  # the run's, kept on resume with another number of processes
         per_rank = total // runtime.world_size
         generator = self.generator(step)
@@ -245,30 +246,33 @@ class DistillTrainer(PosttrainTrainer):
         latents = noise.to(device)
         t_vec = torch.full((len(prompt_ids),), t_k, device=device)
 
-        # The student's own trajectory up to step k (no gradients), and its clean estimate there.
+        # The student's own trajectory up to step k (no gradients).
         with torch.no_grad():
             text = text_inputs(self.model, embeds, mask, self.size, self.size, reuse=False)
             for i in range(k):
                 v = velocity(_Part(self, "student"), latents, self.student_times[i], text)
                 latents = sampling.euler_step(latents, v, self.student_times[i], self.student_times[i + 1])
-            sample = latents - t_k * self._forward("student", latents, t_vec, embeds, mask)
-
-        # The fake score first follows the student's distribution at step k ...
-        fake_losses = [self._fake_update(sample, self._segment_times(generator, total, mine, t_k, t_after), draw_eps(),
-                                         embeds, mask) for _ in range(section.fake_updates_per_step)]
-        fake_loss = torch.stack(fake_losses).mean()
+        student_loss = fake_loss = trajectory_loss = torch.zeros((), device=device)
+        if section.distribution_weight:
+            # The fake score first follows the student's distribution at step k (its clean
+            # estimates there, without gradients) ...
+            with torch.no_grad():
+                sample = latents - t_k * self._forward("student", latents, t_vec, embeds, mask)
+            fake_losses = [self._fake_update(sample, self._segment_times(generator, total, mine, t_k, t_after), draw_eps(),
+                                             embeds, mask) for _ in range(section.fake_updates_per_step)]
+            fake_loss = torch.stack(fake_losses).mean()
 
         # ... then the student's estimate (now with gradients) is pulled toward the teacher's
         # marginal by the score difference, at times inside the segment (t_{k+1}, t_k].
         student_v = self._forward("student", latents, t_vec, embeds, mask)
-        x0_hat = latents - t_k * student_v
-        tau, eps = self._segment_times(generator, total, mine, t_k, t_after), draw_eps()
-        noisy = (1 - tau.view(-1, 1, 1)) * x0_hat.detach() + tau.view(-1, 1, 1) * eps
-        with torch.no_grad():
-            x0_teacher = noisy - tau.view(-1, 1, 1) * self.teacher_velocity(noisy, tau, embeds, mask, uncond, uncond_mask)
-            x0_fake = noisy - tau.view(-1, 1, 1) * self._forward("fake", noisy, tau, embeds, mask)
-        student_loss = section.distribution_weight * dmd_student_loss(x0_hat, x0_fake, x0_teacher)
-        trajectory_loss = torch.zeros((), device=device)
+        if section.distribution_weight:
+            x0_hat = latents - t_k * student_v
+            tau, eps = self._segment_times(generator, total, mine, t_k, t_after), draw_eps()
+            noisy = (1 - tau.view(-1, 1, 1)) * x0_hat.detach() + tau.view(-1, 1, 1) * eps
+            with torch.no_grad():
+                x0_teacher = noisy - tau.view(-1, 1, 1) * self.teacher_velocity(noisy, tau, embeds, mask, uncond, uncond_mask)
+                x0_fake = noisy - tau.view(-1, 1, 1) * self._forward("fake", noisy, tau, embeds, mask)
+            student_loss = section.distribution_weight * dmd_student_loss(x0_hat, x0_fake, x0_teacher)
         if section.trajectory_weight:
             # Trajectory matching on the student's own states: its one step over the segment
             # follows the teacher's many guided steps over the same segment.
