@@ -16,8 +16,6 @@ same setup, so the plan can be checked against the measurement.
 
 from __future__ import annotations
 
-import argparse
-import gc
 import json
 import sys
 from pathlib import Path
@@ -28,7 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_train_full import FULL_CONFIG, TINY_CONFIG, build_model, time_steps  # noqa: E402
+from bench_train_full import (  # noqa: E402
+    FULL_CONFIG, TINY_CONFIG, build_model, parse_step_arguments, release_memory, time_steps)
 
 from finetune.config import LoRAConfig, OptimizerConfig, build_config  # noqa: E402
 from finetune.engine.parallel import wrap_model  # noqa: E402
@@ -73,9 +72,8 @@ def run_variant(name: str, args, device: torch.device) -> dict:
     model = wrap_model(model, blocks, runtime, activation_checkpointing="full", compile=False,
                        mixed_precision="bf16", offloaded_blocks=offload)
     optimizer = make_optimizer(params, OptimizerConfig(name="adamw", learning_rate=1e-4))
-    gc.collect()
+    release_memory(device)
     if device.type == "cuda":
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     times, loss = time_steps(model, params, optimizer, config, args, device)
     result = {"variant": name, "quantize": quantize, "offload_blocks": offload, "s_per_step": sum(times) / len(times),
@@ -83,30 +81,12 @@ def run_variant(name: str, args, device: torch.device) -> dict:
               "reserved_gib": torch.cuda.max_memory_reserved() / GIB if device.type == "cuda" else None,
               "plan_gib": planned_gib(quantize, offload, args), "loss": loss.item()}
     del model, optimizer, params, loss
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_memory(device)
     return result
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny config")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--resolution", type=int, default=None, help="pixels per side (1024; 64 with --tiny)")
-    parser.add_argument("--text-len", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--rank", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--json")
-    args = parser.parse_args()
-    args.resolution = args.resolution or (64 if args.tiny else 1024)
-    if args.tiny:
-        args.text_len = min(args.text_len, 16)
-    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
-    if device.type == "cpu" and not args.tiny:
-        sys.exit("no CUDA device: pass --tiny for the CPU smoke run")
+    args, device = parse_step_arguments(__doc__.splitlines()[0], VARIANTS)
     results = [run_variant(v, args, device) for v in args.variants.split(",")]
     print(f"{'variant':12} {'s/step':>8} {'peak GiB':>9} {'reserved':>9} {'plan GiB':>9}  ({args.resolution}px, LoRA r{args.rank}, checkpointing full)")
     for r in results:

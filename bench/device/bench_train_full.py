@@ -121,16 +121,23 @@ def run_variant(name: str, args, device: torch.device) -> dict:
         "lora_params": sum(p.numel() for p in params),
     }
     del model, optimizer, params, loss
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_memory(device)
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def release_memory(device: torch.device) -> None:
+    """Collect what the finished variant left and return the cached CUDA blocks."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def parse_step_arguments(description: str, variants) -> tuple[argparse.Namespace, torch.device]:
+    """The LoRA step benches' shared command line (``--tiny``, ``--variants``, sizes, steps,
+    ``--json``) and device; exits without CUDA unless ``--tiny``."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--tiny", action="store_true", help="CPU dry run on a tiny config (64 px)")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(variants))
     parser.add_argument("--resolution", type=int, default=None, help="pixels per side (default 1024; 64 with --tiny)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--text-len", type=int, default=128)
@@ -145,6 +152,11 @@ def main() -> None:
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and not args.tiny:
         sys.exit("no CUDA device: pass --tiny for the CPU dry run")
+    return args, device
+
+
+def main() -> None:
+    args, device = parse_step_arguments(__doc__.splitlines()[0], VARIANTS)
     results = [run_variant(v, args, device) for v in args.variants.split(",")]
     print(f"{'variant':16} {'s/step':>8} {'peak GiB':>9}  ({args.resolution}px, batch {args.batch}, LoRA r{args.rank})")
     for r in results:
