@@ -21,22 +21,28 @@ def make_optimizer(params: list[torch.nn.Parameter], config: OptimizerConfig) ->
 
 
 def lr_multiplier(step: int, config: LRSchedulerConfig, max_steps: int) -> float:
-    """Multiplier of the base learning rate for optimizer step ``step`` (0-based)."""
+    """Multiplier of the base learning rate for optimizer step ``step`` (0-based, < ``max_steps``).
+
+    ``wsd``: warmup, flat, then a linear decay over the last ``decay_steps = max(1,
+    round(max_steps * decay_fraction))`` steps whose last step (``max_steps - 1``) is exactly
+    ``min_lr_ratio``: decay step ``i`` (1-based) has ``floor + (1 - floor) (1 - i / decay_steps)``.
+    The warmup stops where the decay starts (a short run still ends on the floor).
+    """
+    floor = config.min_lr_ratio
+    if config.name == "wsd":
+        decay_steps = min(max_steps, max(1, round(max_steps * config.decay_fraction)))
+        decay_start = max_steps - decay_steps
+        if step >= decay_start:
+            done = min(decay_steps, step - decay_start + 1)
+            # floor + (1 - floor) * 0 is floor exactly (1 - (1 - floor) is not, in floating point).
+            return floor + (1 - floor) * ((decay_steps - done) / decay_steps)
     if step < config.warmup_steps:
         return (step + 1) / config.warmup_steps
-    floor = config.min_lr_ratio
-    if config.name == "constant":
+    if config.name == "constant" or config.name == "wsd":
         return 1.0
-    if config.name == "cosine":
-        span = max(1, max_steps - config.warmup_steps)
-        progress = min(1.0, (step - config.warmup_steps) / span)
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-    # warmup-stable-decay: flat, then a linear decay over the last `decay_fraction` of the run.
-    decay_steps = max(1, round(max_steps * config.decay_fraction))
-    decay_start = max_steps - decay_steps
-    if step < decay_start:
-        return 1.0
-    return 1.0 - (1 - floor) * min(1.0, (step - decay_start) / decay_steps)
+    span = max(1, max_steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / span)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def make_lr_scheduler(optimizer: torch.optim.Optimizer, config: LRSchedulerConfig, max_steps: int):

@@ -51,5 +51,24 @@ def test_lr_schedules(name):
     elif name == "cosine":
         assert all(a >= b for a, b in zip(curve[10:], curve[11:])) and curve[-1] == pytest.approx(0.1, abs=0.01)
     else:
-        assert curve[10:81] == [1.0] * 71 and all(a > b for a, b in zip(curve[80:], curve[81:]))
-        assert curve[-1] == pytest.approx(0.1 + 0.9 / 20)  # reaches the floor as the run ends
+        assert curve[10:80] == [1.0] * 70 and all(a > b for a, b in zip(curve[79:], curve[80:]))
+        assert curve[80] == pytest.approx(0.1 + 0.9 * 19 / 20) and curve[-1] == 0.1  # the floor on the last step
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.01, 0.1, 0.2, 0.25, 1 / 3, 0.5, 0.9, 1.0])
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_wsd_reaches_the_floor_exactly_on_the_last_step_for_every_length(fraction, warmup):
+    """Lengths 1..50: flat (after warmup), then strictly decreasing, ending on exactly
+    ``min_lr_ratio`` (compared with ==, floors that are not binary fractions included), with
+    ``max(1, round(steps * fraction))`` decaying steps, the first of them already below 1."""
+    for floor in (0.0, 0.1, 1 / 3):
+        config = LRSchedulerConfig(name="wsd", warmup_steps=warmup, decay_fraction=fraction, min_lr_ratio=floor)
+        for steps in range(1, 51):
+            curve = [lr_multiplier(s, config, steps) for s in range(steps)]
+            decay = min(steps, max(1, round(steps * fraction)))
+            assert curve[-1] == floor, (steps, fraction, floor, curve)
+            flat = curve[:steps - decay]
+            assert all(v == 1.0 for v in flat[warmup:]) and all(v <= 1.0 for v in flat), (steps, curve)
+            tail = curve[steps - decay:]
+            assert all(a > b for a, b in zip(tail, tail[1:])) and tail[0] < 1.0, (steps, fraction, curve)
+            assert tail[0] == pytest.approx(floor + (1 - floor) * (decay - 1) / decay)
