@@ -69,8 +69,10 @@ def build_sharded_transformer(config: TrainConfig, runtime, *, trainable: bool =
     Args:
         trainable: float32 master weights that train. ``False``: a frozen copy (post-training's
             reference / teacher) stored in ``model.dtype``, ``requires_grad`` off, in eval mode,
-            without activation checkpointing or mixed-precision casts; sharded the same way (so it
-            holds 1/N of the weights per rank and nothing in the optimizer), each block gathered for
+            without activation checkpointing; sharded the same way (so it holds 1/N of the
+            weights per rank and nothing in the optimizer) and with the trained copy's
+            mixed-precision policy (sharded, both compute in the same parameter dtype and agree
+            bit for bit while their weights are equal), each block gathered for
             its forward only. Its caller reshards the root after each forward (FSDP2 keeps a root
             gathered after forward, expecting a backward).
         assemble: builds the root from a factory of meta-device transformers, for a module that
@@ -94,7 +96,7 @@ def build_sharded_transformer(config: TrainConfig, runtime, *, trainable: bool =
     training = config.training
     prepare_blocks(blocks, training.activation_checkpointing if trainable else "none", training.compile)
     if runtime.strategy == "fsdp":
-        fully_shard_blocks(model, blocks, training.mixed_precision if trainable else "no")
+        fully_shard_blocks(model, blocks, training.mixed_precision)
     model.to_empty(device=runtime.device)
     try:
         for copy in [m for m in model.modules() if isinstance(m, Krea2Transformer2DModel)]:

@@ -55,6 +55,11 @@ class Runtime:
         return bool(tensor.item())
 
     def autocast(self):
+        """The precision policy of every forward of a training step: the trained model's, its
+        frozen reference / teacher's, rollouts' and any auxiliary model's (``training.mixed_precision:
+        bf16``: bf16 autocast; ``no``: a no-op). Comparing two forwards made under different
+        policies measures the policy, not the weights: enter this around each of them (the
+        post-training ``Reference`` does so itself)."""
         return self.accelerator.autocast()
 
 

@@ -112,11 +112,15 @@ class GRPOTrainer(PosttrainTrainer):
         sde_generator = self.generator(f"sde-{step}-slot{mine.start}")
 
         # 1. Rollouts with the current weights, and their rewards.
+        # Every forward (rollout, updates, reference) under the run's one precision policy: the
+        # first update's ratios are then exactly 1 and its KL exactly 0 whatever mixed_precision.
         embeds, mask = self.conditioning(prompt_ids, group)
-        text = text_inputs(self.model, embeds, mask, self.size, self.size, reuse=self.reuse_text)
-        self.model.eval()
-        rollout = sde_rollout(self.model, text, noise.to(runtime.device), self.times, explore, section.noise_level, sde_generator)
-        self.model.train()
+        with runtime.autocast():
+            text = text_inputs(self.model, embeds, mask, self.size, self.size, reuse=self.reuse_text)
+            self.model.eval()
+            rollout = sde_rollout(self.model, text, noise.to(runtime.device), self.times, explore, section.noise_level,
+                                  sde_generator)
+            self.model.train()
         prompts = [self.prompts[i] for i in prompt_ids for _ in range(group)]
         metadata = [{"prompt_index": i, "step": step + 1, "sample": k} for i in prompt_ids for k in range(group)]
         images = decode_to_pil(self.pipe.vae, rollout.latents, self.size, self.size)
@@ -131,6 +135,9 @@ class GRPOTrainer(PosttrainTrainer):
 
         # 2. Clipped-ratio updates on the exploring steps, with the KL to the base weights.
         t_cap = self.times[1]
+        # The base weights' step means do not change between updates: once per rollout.
+        ref_means = [step_log_prob(_Frozen(self), rollout.states[k], rollout.next_states[k], t, t_next, t_cap,
+                                   section.noise_level, text)[1] for k, (t, t_next) in enumerate(rollout.times)]
         stats = {"policy_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
         grad_norm = 0.0
         for _ in range(section.updates_per_rollout):
@@ -138,10 +145,8 @@ class GRPOTrainer(PosttrainTrainer):
                 with runtime.autocast():
                     log_probs, mean, std = step_log_prob(self.model, rollout.states[k], rollout.next_states[k], t, t_next,
                                                          t_cap, section.noise_level, text)
-                _, ref_mean, _ = step_log_prob(_Frozen(self), rollout.states[k], rollout.next_states[k], t, t_next,
-                                               t_cap, section.noise_level, text)
                 policy, clipped = clipped_policy_loss(log_probs, rollout.log_probs[k], advantages, section.clip_range)
-                kl = gaussian_step_kl(mean, ref_mean, std)
+                kl = gaussian_step_kl(mean, ref_means[k], std)
                 loss = (policy + section.kl_weight * kl).mean() / len(rollout.times)
                 if not math.isfinite(float(loss.detach())):
                     raise NonFiniteLossError(f"GRPO loss is {float(loss.detach())} at step {step + 1} on prompts "
@@ -171,10 +176,11 @@ class GRPOTrainer(PosttrainTrainer):
         embeds, mask = self.conditioning(ids, section.eval_seeds)
         noise = initial_noise(len(ids) * section.eval_seeds, self.pipe.transformer.config.in_channels, self.size, self.size,
                               self.generator(EVAL_SEED_INDEX))
-        text = text_inputs(self.model, embeds, mask, self.size, self.size, reuse=self.reuse_text)
         self.model.eval()
         try:
-            latents = ode_samples(self.model, text, noise.to(self.runtime.device), self.times)
+            with self.runtime.autocast():
+                text = text_inputs(self.model, embeds, mask, self.size, self.size, reuse=self.reuse_text)
+                latents = ode_samples(self.model, text, noise.to(self.runtime.device), self.times)
         finally:
             self.model.train()
         prompts = [self.prompts[i] for i in ids for _ in range(section.eval_seeds)]

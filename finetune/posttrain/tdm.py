@@ -184,7 +184,9 @@ class DistillTrainer(PosttrainTrainer):
         cond, uncond_v = out.chunk(2)
         return sampling.guided_velocity(cond, uncond_v, self.config.distill.teacher_guidance)
 
-    def _forward(self, which: str, latents, t: torch.Tensor, embeds, mask) -> torch.Tensor:
+    def part_velocity(self, which: str, latents, t: torch.Tensor, embeds, mask) -> torch.Tensor:
+        """(B, N, C) velocity of the student or the fake score (``which``) at ``latents`` (B, N, C),
+        times ``t`` (B,), under the run's precision policy (as the teacher's)."""
         positions = text_positions(embeds, self.size, self.size)
         with self.runtime.autocast():
             return self.call_part(which, hidden_states=latents, encoder_hidden_states=embeds, timestep=t, position_ids=positions,
@@ -215,7 +217,7 @@ class DistillTrainer(PosttrainTrainer):
         estimates ``sample`` (B, N, C) diffused to ``tau`` (B,), so it models that step's
         distribution (the segment-restricted part of TDM's distribution matching). Returns the loss."""
         noisy = (1 - tau.view(-1, 1, 1)) * sample + tau.view(-1, 1, 1) * eps
-        fake_v = self._forward("fake", noisy, tau, embeds, mask)
+        fake_v = self.part_velocity("fake", noisy, tau, embeds, mask)
         loss = (fake_v - (eps - sample)).pow(2).flatten(1).mean(1).mean()
         loss.backward()
         # Only the fake score's parameters have gradients: the optimizer leaves the student's alone.
@@ -247,7 +249,9 @@ class DistillTrainer(PosttrainTrainer):
         t_vec = torch.full((len(prompt_ids),), t_k, device=device)
 
         # The student's own trajectory up to step k (no gradients).
-        with torch.no_grad():
+        # Every forward of the step (student, fake score, teacher) under the run's one precision
+        # policy: while the three have equal weights their velocities are equal bit for bit.
+        with torch.no_grad(), runtime.autocast():
             text = text_inputs(self.model, embeds, mask, self.size, self.size, reuse=False)
             for i in range(k):
                 v = velocity(_Part(self, "student"), latents, self.student_times[i], text)
@@ -257,21 +261,21 @@ class DistillTrainer(PosttrainTrainer):
             # The fake score first follows the student's distribution at step k (its clean
             # estimates there, without gradients) ...
             with torch.no_grad():
-                sample = latents - t_k * self._forward("student", latents, t_vec, embeds, mask)
+                sample = latents - t_k * self.part_velocity("student", latents, t_vec, embeds, mask)
             fake_losses = [self._fake_update(sample, self._segment_times(generator, total, mine, t_k, t_after), draw_eps(),
                                              embeds, mask) for _ in range(section.fake_updates_per_step)]
             fake_loss = torch.stack(fake_losses).mean()
 
         # ... then the student's estimate (now with gradients) is pulled toward the teacher's
         # marginal by the score difference, at times inside the segment (t_{k+1}, t_k].
-        student_v = self._forward("student", latents, t_vec, embeds, mask)
+        student_v = self.part_velocity("student", latents, t_vec, embeds, mask)
         if section.distribution_weight:
             x0_hat = latents - t_k * student_v
             tau, eps = self._segment_times(generator, total, mine, t_k, t_after), draw_eps()
             noisy = (1 - tau.view(-1, 1, 1)) * x0_hat.detach() + tau.view(-1, 1, 1) * eps
             with torch.no_grad():
                 x0_teacher = noisy - tau.view(-1, 1, 1) * self.teacher_velocity(noisy, tau, embeds, mask, uncond, uncond_mask)
-                x0_fake = noisy - tau.view(-1, 1, 1) * self._forward("fake", noisy, tau, embeds, mask)
+                x0_fake = noisy - tau.view(-1, 1, 1) * self.part_velocity("fake", noisy, tau, embeds, mask)
             student_loss = section.distribution_weight * dmd_student_loss(x0_hat, x0_fake, x0_teacher)
         if section.trajectory_weight:
             # Trajectory matching on the student's own states: its one step over the segment

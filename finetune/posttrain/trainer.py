@@ -113,7 +113,7 @@ class PosttrainTrainer(Trainer):
         """
         config, runtime, t = self.config, self.runtime, self.config.training
         if self.lora:
-            self.reference = Reference()
+            self.reference = Reference(runtime.autocast)
             module = self.trainable_module(self.pipe.transformer)
             module.train()
             self.model = wrap_model(module, self.trained_blocks(module), runtime, activation_checkpointing=t.activation_checkpointing,
@@ -121,7 +121,7 @@ class PosttrainTrainer(Trainer):
             return
         from ..model import build_sharded_transformer
 
-        self.reference = Reference(build_sharded_transformer(config, runtime, trainable=False))
+        self.reference = Reference(runtime.autocast, build_sharded_transformer(config, runtime, trainable=False))
         self.model = build_sharded_transformer(config, runtime, assemble=self.assemble_full)
         self.pipe.register_modules(transformer=self.sampling_transformer(self.model))
 
