@@ -211,22 +211,23 @@ class Trainer:
         for j in range(len(self.layout)):
             batch = self._to_device(next(items))
             noisy = add_noise(batch["x0"], batch["noise"], batch["t"])
-            with runtime.autocast():
-                pred = self.model(
-                    hidden_states=noisy, encoder_hidden_states=batch["embeds"], timestep=batch["t"],
-                    position_ids=batch["positions"], encoder_attention_mask=batch["mask"], return_dict=False,
-                    **self.reference_kwargs(batch),
-                )[0]
-            size = len(batch["ids"])
-            loss_sum = flow_matching_loss(pred, batch["x0"], batch["noise"], batch["t"], config.objective.loss_weighting) * size
-            value = float(loss_sum.detach())
-            if not math.isfinite(runtime.sum(0.0 if math.isfinite(value) else math.inf)):
-                names = [self.samples[i].image_path.name for i in batch["ids"]]
-                raise NonFiniteLossError(
-                    f"loss is {value} at step {step + 1} (forward {j}) on images {names}; "
-                    f"stopped without saving, the last good checkpoint is kept in {self.checkpointer.folder}"
-                )
+            # Forward and backward inside: DDP prepares its gradient all-reduce in the forward.
             with no_sync(self.model, runtime, sync=j == len(self.layout) - 1):
+                with runtime.autocast():
+                    pred = self.model(
+                        hidden_states=noisy, encoder_hidden_states=batch["embeds"], timestep=batch["t"],
+                        position_ids=batch["positions"], encoder_attention_mask=batch["mask"], return_dict=False,
+                        **self.reference_kwargs(batch),
+                    )[0]
+                size = len(batch["ids"])
+                loss_sum = flow_matching_loss(pred, batch["x0"], batch["noise"], batch["t"], config.objective.loss_weighting) * size
+                value = float(loss_sum.detach())
+                if not math.isfinite(runtime.sum(0.0 if math.isfinite(value) else math.inf)):
+                    names = [self.samples[i].image_path.name for i in batch["ids"]]
+                    raise NonFiniteLossError(
+                        f"loss is {value} at step {step + 1} (forward {j}) on images {names}; "
+                        f"stopped without saving, the last good checkpoint is kept in {self.checkpointer.folder}"
+                    )
                 (loss_sum * (runtime.world_size / total_samples)).backward()
             local_sum += value
         max_norm = config.optimizer.max_grad_norm

@@ -1,31 +1,58 @@
 """Two real processes (torchrun, gloo on CPU) give the same training as one process with the same
-global batch: FSDP2 for a full fine-tune, DDP for LoRA."""
+global batch: FSDP2 for a full fine-tune, DDP for LoRA (with 4 accumulated micro-batches per
+step, which communicate once: a DDP communication hook counts the gradient all-reduces)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import json
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from finetune.config import build_config
 from finetune.export.writer import model_tensors
 from finetune.metrics import read_metrics
 from finetune.trainer import train
+from launcher import launch
 
-ROOT = Path(__file__).resolve().parents[1]
+STEPS = 4
+
+# `python -m finetune` with a DDP-wrapped model given a comm hook that counts its bucket
+# all-reduces (then runs DDP's default all-reduce), written to PROBE_DIR/rank<R>-allreduce.json.
+# DDP prepares the reduction in the forward: `no_sync` must wrap forward and backward.
+COUNT_ALL_REDUCES = '''
+import atexit, json, os, sys
+import torch
+import finetune.trainer as trainer
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+calls = []
+wrap = trainer.wrap_model
+
+def counted(*args, **kwargs):
+    model = wrap(*args, **kwargs)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        def hook(state, bucket):
+            calls.append(bucket.index())
+            return allreduce_hook(state, bucket)
+        model.register_comm_hook(None, hook)
+    return model
+
+trainer.wrap_model = counted
+atexit.register(lambda: json.dump(calls, open(os.path.join(os.environ["PROBE_DIR"], f"rank{os.environ['RANK']}-allreduce.json"), "w")))
+from finetune.cli import main
+sys.exit(main())
+'''
 
 
-def _config(out: Path, cache: Path, method: str, batch_size: int) -> dict:
+def _config(out: Path, cache: Path, method: str, batch_size: int, accumulation: int = 1) -> dict:
     return {
         "output_dir": str(out),
         "data": {"synthetic": {"num_prompts": 3, "size": 64}, "resolution": 64, "caption_dropout": 0.5, "cache_dir": str(cache)},
-        "training": {"method": method, "max_steps": 4, "batch_size": batch_size, "seed": 3},
+        "training": {"method": method, "max_steps": STEPS, "batch_size": batch_size, "seed": 3,
+                     "gradient_accumulation_steps": accumulation},
         "lora": {"rank": 4, "alpha": 4},
         "optimizer": {"learning_rate": 1e-3, "max_grad_norm": 0.5},  # clipping needs the global norm
         "lr_scheduler": {"name": "cosine", "warmup_steps": 1},
@@ -42,22 +69,20 @@ def _config(out: Path, cache: Path, method: str, batch_size: int) -> dict:
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _torchrun(config: dict, folder: Path) -> str:
-    path = folder / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "finetune", str(path)]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout + done.stderr
-
-
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_two_processes_equal_one(tmp_path, method):
     cache = tmp_path / "cache"
-    log = _torchrun(_config(tmp_path / "two", cache, method, batch_size=1), tmp_path)
+    accumulation = 4 if method == "lora" else 1
+    probe = tmp_path / "probe.py"
+    probe.write_text(COUNT_ALL_REDUCES)
+    done = launch(_config(tmp_path / "two", cache, method, batch_size=1, accumulation=accumulation), tmp_path, 2, [str(probe)])
+    log = done.stdout + done.stderr
     assert ("strategy fsdp" if method == "full" else "strategy ddp") in log and "2 process(es)" in log
-    train(build_config(_config(tmp_path / "one", cache, method, batch_size=2)))
+    train(build_config(_config(tmp_path / "one", cache, method, batch_size=2, accumulation=accumulation)))
+    if method == "lora":
+        for rank in range(2):  # one bucket (the LoRA's gradients are small), one all-reduce per optimizer step
+            calls = json.loads((tmp_path / f"rank{rank}-allreduce.json").read_text())
+            assert set(calls) == {0} and len(calls) == STEPS, (rank, calls)  # not STEPS * accumulation
 
     two, one = read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")
     assert [r["step"] for r in two] == [1, 2, 3, 4]

@@ -132,7 +132,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def no_sync(model: nn.Module, runtime: Runtime, sync: bool):
     """Skip the gradient all-reduce / reduce-scatter on micro-batches that do not end an optimizer
-    step. Every process runs the same number of micro-batches (see ``loader.StepLayout``)."""
+    step. Wrap the micro-batch's forward *and* backward: DDP prepares the reduction in the
+    forward. Every process runs the same number of micro-batches (see ``loader.StepLayout``)."""
     if runtime.strategy == "fsdp":
         model.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()

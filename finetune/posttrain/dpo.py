@@ -157,15 +157,16 @@ class DPOTrainer(PosttrainTrainer):
             noise = torch.randn((len(global_ids), *chosen.shape[1:]), generator=generator)
             t = sample_timesteps(len(global_ids), chosen.shape[1], config.objective, generator)
             mine = slice(runtime.rank * len(local), (runtime.rank + 1) * len(local))
-            losses = self.pair_losses(self.model, chosen, rejected, embeds, mask, positions,
-                                      noise[mine].to(chosen.device), t[mine].to(chosen.device), with_grad=True)
-            loss = dpo_loss(losses, section.beta, section.sft_weight, section.chosen_anchor_weight)
-            mean_loss = float(runtime.mean(loss))
-            if not math.isfinite(mean_loss):
-                prompts = [self.pairs[i].prompt for i in global_ids]
-                raise NonFiniteLossError(f"DPO loss is {mean_loss} at step {step + 1} on pairs with prompts {prompts}; "
-                                         f"stopped without saving, the last good checkpoint is kept in {self.checkpointer.folder}")
+            # Forward and backward inside: DDP prepares its gradient all-reduce in the forward.
             with no_sync(self.model, runtime, sync=micro == accumulation - 1):
+                losses = self.pair_losses(self.model, chosen, rejected, embeds, mask, positions,
+                                          noise[mine].to(chosen.device), t[mine].to(chosen.device), with_grad=True)
+                loss = dpo_loss(losses, section.beta, section.sft_weight, section.chosen_anchor_weight)
+                mean_loss = float(runtime.mean(loss))
+                if not math.isfinite(mean_loss):
+                    prompts = [self.pairs[i].prompt for i in global_ids]
+                    raise NonFiniteLossError(f"DPO loss is {mean_loss} at step {step + 1} on pairs with prompts {prompts}; "
+                                             f"stopped without saving, the last good checkpoint is kept in {self.checkpointer.folder}")
                 (loss / accumulation).backward()
             total += mean_loss / accumulation
             for key, value in pair_statistics(losses, section.beta, "train/").items():

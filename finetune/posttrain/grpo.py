@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from krea2_diffusers.conditioning.text import pad_conditioning
 
+from ..engine.parallel import no_sync
 from .prompt_pool import PoolLog, PromptPool
 from ..trainer import NonFiniteLossError
 from .rewards import group_advantages, load_rewards, score
@@ -142,16 +143,18 @@ class GRPOTrainer(PosttrainTrainer):
         grad_norm = 0.0
         for _ in range(section.updates_per_rollout):
             for k, (t, t_next) in enumerate(rollout.times):
-                with runtime.autocast():
-                    log_probs, mean, std = step_log_prob(self.model, rollout.states[k], rollout.next_states[k], t, t_next,
-                                                         t_cap, section.noise_level, text)
-                policy, clipped = clipped_policy_loss(log_probs, rollout.log_probs[k], advantages, section.clip_range)
-                kl = gaussian_step_kl(mean, ref_means[k], std)
-                loss = (policy + section.kl_weight * kl).mean() / len(rollout.times)
-                if not math.isfinite(float(loss.detach())):
-                    raise NonFiniteLossError(f"GRPO loss is {float(loss.detach())} at step {step + 1} on prompts "
-                                             f"{sorted(set(prompts))}; the last checkpoint is kept in {self.checkpointer.folder}")
-                loss.backward()
+                # One gradient all-reduce per update: the exploring steps' backwards accumulate.
+                with no_sync(self.model, runtime, sync=k == len(rollout.times) - 1):
+                    with runtime.autocast():
+                        log_probs, mean, std = step_log_prob(self.model, rollout.states[k], rollout.next_states[k], t, t_next,
+                                                             t_cap, section.noise_level, text)
+                    policy, clipped = clipped_policy_loss(log_probs, rollout.log_probs[k], advantages, section.clip_range)
+                    kl = gaussian_step_kl(mean, ref_means[k], std)
+                    loss = (policy + section.kl_weight * kl).mean() / len(rollout.times)
+                    if not math.isfinite(float(loss.detach())):
+                        raise NonFiniteLossError(f"GRPO loss is {float(loss.detach())} at step {step + 1} on prompts "
+                                                 f"{sorted(set(prompts))}; the last checkpoint is kept in {self.checkpointer.folder}")
+                    loss.backward()
                 scale = len(rollout.times) * section.updates_per_rollout
                 stats["policy_loss"] += float(policy.mean()) / scale
                 stats["kl"] += float(kl.mean()) / scale
