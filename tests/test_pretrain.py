@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
 from krea2_diffusers import Krea2Transformer2DModel
+from finetune.pretrain.trainer import Pretrainer
 from krea2_diffusers.cli import main as krea2
 from krea2_diffusers.models.tiny import tiny_transformer_config
 
@@ -59,8 +60,18 @@ def run(tmp_path_factory):
     (root / "config.yaml").write_text(PINNED)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: extra threads only add synchronisation
+    trained = {}  # step -> the sample ids the trainer's step received (what --replay must name)
+    step = Pretrainer.train_step
+
+    def recording(self, item):
+        trained[item["step"]] = [i for micro in item["micro"] for i in micro["sample_ids"]]
+        return step(self, item)
+
     try:
-        assert krea2(["pretrain", str(root / "config.yaml"), "logging.progress_bar=false", "logging.tensorboard=false"]) == 0
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Pretrainer, "train_step", recording)
+            assert krea2(["pretrain", str(root / "config.yaml"), "logging.progress_bar=false", "logging.tensorboard=false"]) == 0
+        (root / "trained.json").write_text(json.dumps(trained))
         yield root, root / "outputs/pretrain-tiny"
     finally:
         torch.set_num_threads(threads)
@@ -131,15 +142,21 @@ def test_two_stages_from_scratch_learn_with_repa_muon_and_pma(run):
     assert not torch.equal(averaged[0]["img_in.weight"], averaged[2]["img_in.weight"])
 
 
-def test_replay_names_the_rows_of_a_step_and_bad_stages_are_refused(run, capsys):
+def test_each_epoch_visits_the_pack_in_a_new_order_and_replay_names_the_rows_of_a_step(run, capsys):
     root, out = run
     config = str(root / "config.yaml")
-    for step, pack, rows in ((7, "packs/64", range(24, 28)), (30, "packs/128", range(10, 12)), (21, "packs/64", range(16, 20))):
+    trained = {int(k): v for k, v in json.loads((root / "trained.json").read_text()).items()}
+    pack = [r["sample_id"] for r in pq.read_table(sorted((root / "packs/64").glob("*.parquet"))[0]).to_pylist()]
+    # Stage s64: 32 rows, 8 steps of 4 per epoch, 3 epochs: each epoch is every row once, each in
+    # its own order (drawn from the seed and the epoch), none the pack's own order.
+    epochs = [sum((trained[s] for s in range(1 + 8 * e, 9 + 8 * e)), []) for e in range(3)]
+    assert all(sorted(e) == sorted(pack) for e in epochs)
+    assert len({tuple(e) for e in epochs + [pack]}) == 4
+    for step in (7, 21, 30):  # --replay names what the step trained on (epochs 0 and 2 of s64, s128)
         assert krea2(["pretrain", config, "--replay", str(step)]) == 0
         line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-        table = pq.read_table(sorted((root / pack).glob("*.parquet"))[0]).to_pylist()
         stage = "s64" if step <= 24 else "s128"
-        assert line == {"stage": stage, "step": step, "sample_ids": [table[i]["sample_id"] for i in rows]}
+        assert line == {"stage": stage, "step": step, "sample_ids": trained[step]}
 
     assert krea2(["pretrain", config, "--dry-run", "--output-dir", str(root / "dry")]) == 0
     plan = capsys.readouterr().out

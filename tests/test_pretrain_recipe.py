@@ -123,11 +123,13 @@ def test_a_row_that_fails_to_decode_is_skipped_and_counted(tmp_path):
     pq.write_table(table.set_column(1, "image_bytes", pa.array(images, pa.binary())).replace_schema_metadata(table.schema.metadata), shard)
     config = build_pretrain_config({"stages": [{"name": "a", "data": str(tmp_path / "pack"), "resolution": 64,
                                                 "batch_size": 4, "steps": 2}]})
-    batches = [StageBatches(config.stages[0], PackReader(tmp_path / "pack"), 1)]
-    item = StepData(config, batches, rank=0, world_size=1)[1]
-    ids = PackReader(tmp_path / "pack").sample_ids(0, 4)
+    batches = [StageBatches(config.stages[0], PackReader(tmp_path / "pack"), 1, seed=0)]
+    items = [StepData(config, batches, rank=0, world_size=1)[step] for step in (1, 2)]  # the pack's two batches
+    ids = PackReader(tmp_path / "pack").sample_ids(0, 8)
+    item = next(i for i in items if i["failures"])
+    other = next(i for i in items if not i["failures"])
     micro = item["micro"][0]
-    assert item["failures"] == 1 and micro["sample_ids"] == ids[:1] + ids[2:]
+    assert item["failures"] == 1 and micro["sample_ids"] == ids[:1] + ids[2:4] and other["micro"][0]["sample_ids"] == ids[4:]
     # The broken row runs as a black stand-in with zero loss weight: the batch keeps its shape.
     assert micro["valid"].tolist() == [True, False, True, True] and micro["pixels"].shape == (4, 3, 64, 64)
     assert not micro["pixels"][1].any() and micro["pixels"][0].any()
@@ -140,11 +142,37 @@ def test_process_count_changes_micro_batches_not_rows():
         def __len__(self):
             return 24
 
-    two = StageBatches(stage, Pack(), run_world_size=2)  # global batch 4
-    assert two.local_micro_batches(1, 0, 2) == [range(4, 6)] and two.local_micro_batches(1, 1, 2) == [range(6, 8)]
-    assert two.local_micro_batches(1, 0, 1) == [range(4, 6), range(6, 8)]  # one process: one bucket per micro-batch
-    assert two.local_micro_batches(7, 0, 4) == [range(4, 5)]  # wraps after 6 batches per epoch
+    two = StageBatches(stage, Pack(), run_world_size=2, seed=0)  # global batch 4: two groups of 2 rows
+    assert two.local_micro_batches(1, 0, 2) == [range(0, 2)] and two.local_micro_batches(1, 1, 2) == [range(2, 4)]
+    assert two.local_micro_batches(1, 0, 1) == [range(0, 2), range(2, 4)]  # one process: one bucket per micro-batch
+    assert two.local_micro_batches(7, 0, 4) == [range(0, 1)]
     assert two.repa_on(0) is False
+    # Whatever the process count, global batch k is the same rows: one group (bucket) per micro-batch.
+    for k in range(14):
+        for world in (1, 2, 4):
+            rows = [list(two.rows(k, p)) for r in range(world) for p in two.local_micro_batches(k, r, world)]
+            assert sum(rows, []) == sum(map(list, two.global_rows(k)), [])
+            assert all(len({i // 2 for i in part}) == 1 for part in rows)
+
+
+def test_each_epoch_is_a_new_permutation_of_the_pack_drawn_from_seed_and_epoch():
+    stage = StageConfig(name="a", data="x", batch_size=2)
+
+    class Pack:
+        def __len__(self):
+            return 25  # 12 groups of 2 (the incomplete last row is never used); 6 batches of 4 per epoch
+
+    def epoch_rows(batches, epoch):
+        return [i for k in range(6 * epoch, 6 * epoch + 6) for rows in batches.global_rows(k) for i in rows]
+
+    batches = StageBatches(stage, Pack(), run_world_size=2, seed=0)
+    orders = [epoch_rows(batches, e) for e in range(3)]
+    assert all(sorted(o) == list(range(24)) for o in orders)  # each epoch: every row once
+    assert len({tuple(o) for o in orders + [list(range(24))]}) == 4  # each in its own order, not the pack's
+    assert all(o[i] // 2 == o[i + 1] // 2 for o in orders for i in range(0, 24, 2))  # groups (buckets) stay whole
+    again = StageBatches(stage, Pack(), run_world_size=2, seed=0)
+    assert [epoch_rows(again, e) for e in (2, 0, 1)] == [orders[2], orders[0], orders[1]]  # resumable: any order
+    assert epoch_rows(StageBatches(stage, Pack(), run_world_size=2, seed=1), 0) != orders[0]
 
 
 def _png(i):

@@ -2,11 +2,14 @@
 ``(seed, global step, row position)``: resuming, replaying and changing the process count never
 change a batch.
 
-A stage's global batch is ``G = batch_size * W`` rows (W = the processes the run started with):
-batch ``k`` of the stage is rows ``[k*G, (k+1)*G)`` of its pack, wrapping at the end of an epoch
-(``len(pack) // G`` batches; the incomplete tail is not used). Process ``r`` of ``W'`` takes rows
-``[k*G + r*G/W', k*G + (r+1)*G/W')`` and runs them as micro-batches cut at multiples of
-``batch_size``, so each micro-batch holds one bucket whatever ``W'`` is.
+A pack holds ``batch_size``-row groups of one bucket each. Every epoch visits them in a new order,
+a permutation drawn from ``(seed, stage, epoch)``; a stage's global batch is ``G = batch_size * W``
+rows (W = the processes the run started with): batch ``k`` of the stage (epoch ``k // (len(pack)
+// G)``) is the next ``W`` groups of its epoch's order (groups left over at an epoch's end wait
+for another epoch's order). Row position ``p`` of the global batch is row ``p % batch_size`` of
+its ``p // batch_size``-th group. Process ``r`` of ``W'`` takes positions ``[r*G/W', (r+1)*G/W')``
+and runs them as micro-batches cut at multiples of ``batch_size``, so each micro-batch holds one
+bucket whatever ``W'`` is.
 """
 
 from __future__ import annotations
@@ -62,17 +65,36 @@ class StageBatches:
     reader: PackReader
     run_world_size: int
     """W: the processes the run started with (fixes the global batch)."""
+    seed: int
+    """The run's ``training.seed``: with the stage's name and the epoch, it fixes each epoch's order."""
 
     def __post_init__(self) -> None:
         self.global_batch = self.stage.batch_size * self.run_world_size
+        self.groups = len(self.reader) // self.stage.batch_size
         self.batches_per_epoch = len(self.reader) // self.global_batch
         if self.batches_per_epoch == 0:
             raise ConfigError(f"stage {self.stage.name!r}: pack {self.stage.data} has {len(self.reader)} rows, "
                               f"fewer than one global batch ({self.global_batch})")
+        self._orders: dict[int, list[int]] = {}
 
-    def global_rows(self, k: int) -> range:
-        start = (k % self.batches_per_epoch) * self.global_batch
-        return range(start, start + self.global_batch)
+    def epoch_order(self, epoch: int) -> list[int]:
+        """The pack's one-bucket groups (indices) in the order epoch ``epoch`` visits them."""
+        if epoch not in self._orders:
+            generator = step_generator(self.seed, f"epoch-{epoch}-of-stage-{self.stage.name}")
+            self._orders = {epoch: torch.randperm(self.groups, generator=generator).tolist()}  # one epoch at a time
+        return self._orders[epoch]
+
+    def rows(self, k: int, positions: range) -> range:
+        """Pack rows of positions ``positions`` (inside one group) of global batch ``k``."""
+        size = self.stage.batch_size
+        group = self.epoch_order(self.epoch(k))[(k % self.batches_per_epoch) * self.run_world_size + positions.start // size]
+        first = group * size + positions.start % size
+        return range(first, first + len(positions))
+
+    def global_rows(self, k: int) -> list[range]:
+        """Pack rows of global batch ``k``, one range per group, in position order."""
+        size = self.stage.batch_size
+        return [self.rows(k, range(p, p + size)) for p in range(0, self.global_batch, size)]
 
     def epoch(self, k: int) -> int:
         return k // self.batches_per_epoch
@@ -81,13 +103,13 @@ class StageBatches:
         return self.stage.repa is not None and self.epoch(k) < self.stage.repa.epochs
 
     def local_micro_batches(self, k: int, rank: int, world_size: int) -> list[range]:
-        """This process's rows of batch ``k``, cut into one-bucket micro-batches."""
+        """This process's positions in global batch ``k``, cut into one-bucket micro-batches
+        (their pack rows: :meth:`rows`)."""
         if self.global_batch % world_size:
             raise ConfigError(f"stage {self.stage.name!r}: the global batch of {self.global_batch} rows does not split "
                               f"over {world_size} processes")
-        rows = self.global_rows(k)
         per = self.global_batch // world_size
-        mine = range(rows.start + rank * per, rows.start + (rank + 1) * per)
+        mine = range(rank * per, (rank + 1) * per)
         bounds = sorted({mine.start, mine.stop, *range(mine.start - mine.start % self.stage.batch_size + self.stage.batch_size,
                                                            mine.stop, self.stage.batch_size)})
         return [range(a, b) for a, b in zip(bounds, bounds[1:])]
@@ -129,11 +151,11 @@ class StepData(torch.utils.data.Dataset):
         stage = batches.stage
         objective = self.config.timestep_objective(stage)
         micro, failures = [], 0
-        base = batches.global_rows(k).start
-        for rows in batches.local_micro_batches(k, self.rank, self.world_size):
+        for positions in batches.local_micro_batches(k, self.rank, self.world_size):
+            rows = batches.rows(k, positions)
             pixels, valid, ids, captions, features, noise, t = [], [], [], [], [], [], []
-            for position, row in zip(rows, batches.reader.rows(rows.start, rows.stop)):
-                generator = sample_generator(self.config.training.seed, step, position - base)
+            for position, row in zip(positions, batches.reader.rows(rows.start, rows.stop)):
+                generator = sample_generator(self.config.training.seed, step, position)
                 column, caption = choose_caption(row, self.config.captions, generator)
                 tokens = (row["height"] // PIXELS_PER_TOKEN) * (row["width"] // PIXELS_PER_TOKEN)
                 noise.append(torch.randn((tokens, TOKEN_FEATURES), generator=generator))
@@ -168,9 +190,9 @@ def replay(config: PretrainConfig, step: int, run_world_size: int) -> dict:
     """``{"stage", "step", "sample_ids"}`` of a global step: every row it trained on, all processes."""
     index, k = config.stage_at(step)
     stage = config.stages[index]
-    batches = StageBatches(stage, open_stage_pack(stage), run_world_size)
-    rows = batches.global_rows(k)
-    return {"stage": stage.name, "step": step, "sample_ids": batches.reader.sample_ids(rows.start, rows.stop)}
+    batches = StageBatches(stage, open_stage_pack(stage), run_world_size, config.training.seed)
+    ids = [i for rows in batches.global_rows(k) for i in batches.reader.sample_ids(rows.start, rows.stop)]
+    return {"stage": stage.name, "step": step, "sample_ids": ids}
 
 
 def replay_line(config: PretrainConfig, step: int, run_world_size: int) -> str:

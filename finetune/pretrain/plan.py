@@ -59,7 +59,7 @@ def print_plan(config: PretrainConfig, world_size: int) -> None:
         available, name = props.total_memory, props.name
     start = 0
     for stage in config.stages:
-        batches = StageBatches(stage, open_stage_pack(stage), world_size)
+        batches = StageBatches(stage, open_stage_pack(stage), world_size, config.training.seed)
         epochs = stage.steps / batches.batches_per_epoch
         repa = (f"repa on steps {start + 1}..{start + min(stage.steps, stage.repa.epochs * batches.batches_per_epoch)}"
                 if stage.repa else "no repa")
