@@ -45,7 +45,7 @@ class TrainResult:
     interrupted: bool = False
 
 
-class _StopRequest:
+class StopRequest:
     """SIGTERM / SIGINT ask for a checkpoint and a clean exit after the current step; a second
     SIGINT aborts at once."""
 
@@ -283,7 +283,8 @@ class Trainer:
         return CachedFeatures(self.cache, self._batches(), self.global_batch, config.training.seed,
                               config.data.caption_dropout, config.objective, getattr(self, "style_groups", None))
 
-    def _loader(self):
+    def step_inputs(self):
+        """What ``train_step`` draws its inputs from, from the resumed step on (the engine's DataLoader)."""
         config = self.config
         dataset = self._dataset()
         sampler = ResumableSampler(self.layout, self.start_step, config.training.max_steps)
@@ -307,9 +308,9 @@ class Trainer:
         result = TrainResult(self.out, self.start_step)
         every = config.checkpointing.every_n_steps
         step = self.start_step
-        items = iter(self._loader())
+        items = iter(self.step_inputs())
         try:
-            with _StopRequest() as stop:
+            with StopRequest() as stop:
                 while step < config.training.max_steps:
                     loss, grad_norm = self.train_step(step, items)
                     step += 1

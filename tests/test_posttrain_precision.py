@@ -59,7 +59,7 @@ def test_dpo_margin_is_exactly_zero_while_the_model_is_its_reference_under_bf16(
     trainer = trainer_for(config)
     trainer.setup()
     assert trainer.runtime.accelerator.mixed_precision == "bf16"
-    trainer.train_step(0)
+    trainer.train_step(0, iter(trainer.step_inputs()))
     stats = trainer.extra_metrics
     assert stats["train/chosen_loss"] != stats["train/rejected_loss"]  # the pairs differ: a margin could show
     assert stats["train/margin"] == 0.0 and stats["train/chosen_vs_reference"] == 0.0

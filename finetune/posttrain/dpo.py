@@ -27,6 +27,7 @@ from ..data import DatasetError
 from ..data.buckets import BucketBatches, fits, make_buckets, nearest_bucket
 from ..data.cache import build_cache
 from ..data.encoding import pack_latents, position_ids
+from ..engine.loader import Forward, ResumableSampler, make_loader, step_generator
 from ..engine.parallel import no_sync
 from ..objective import add_noise, flow_matching_losses, sample_timesteps
 from ..trainer import NonFiniteLossError
@@ -78,6 +79,39 @@ def pair_statistics(losses: PairLosses, beta: float, prefix: str) -> dict[str, f
     }
 
 
+def pair_tensors(cache, pair_ids: list[int]) -> dict:
+    """Packed ``chosen`` / ``rejected`` latents (B, N, 64), the prompt's ``embeds`` (B, L, layers,
+    dim) with ``mask`` (B, L) and the token ``grid`` (h/2, w/2) of pairs ``pair_ids`` (one bucket)
+    from the cache, which holds pair i's chosen at 2i and rejected at 2i + 1."""
+    chosen = cache.latents([2 * i for i in pair_ids])
+    embeds, mask = cache.text([2 * i for i in pair_ids], [False] * len(pair_ids))
+    return dict(chosen=pack_latents(chosen), rejected=pack_latents(cache.latents([2 * i + 1 for i in pair_ids])),
+                embeds=embeds, mask=mask, grid=torch.tensor([chosen.shape[2] // 2, chosen.shape[3] // 2]))
+
+
+class PairFeatures(torch.utils.data.Dataset):
+    """Item ``(step, Forward)`` -> one forward's pairs (:func:`pair_tensors`), its ``noise`` (B, N,
+    64) and times ``t`` (B,) drawn for the whole global micro-batch from ``(seed, micro-batch)``
+    (the same whatever the process count) and the pair ``ids``; for the engine's DataLoader."""
+
+    def __init__(self, cache, batches: BucketBatches, accumulation: int, seed: int, objective):
+        self.cache, self.batches, self.accumulation, self.seed, self.objective = cache, batches, accumulation, seed, objective
+
+    def __getitem__(self, item: tuple[int, Forward]) -> dict:
+        step, forward = item
+        index = step * self.accumulation + forward.micro
+        global_ids = self.batches.global_batch(index)
+        local = global_ids[forward.start:forward.stop]
+        tensors = pair_tensors(self.cache, local)
+        generator = step_generator(self.seed, index)
+        noise = torch.randn((len(global_ids), *tensors["chosen"].shape[1:]), generator=generator)
+        t = sample_timesteps(len(global_ids), tensors["chosen"].shape[1], self.objective, generator)
+        return dict(tensors, noise=noise[forward.start:forward.stop], t=t[forward.start:forward.stop], ids=torch.tensor(local))
+
+    def __len__(self) -> int:
+        raise TypeError("PairFeatures is indexed by (step, Forward) items from ResumableSampler")
+
+
 class DPOTrainer(PosttrainTrainer):
     @classmethod
     def model_copies(cls, config):
@@ -120,15 +154,26 @@ class DPOTrainer(PosttrainTrainer):
                                      seed=config.training.seed, shuffle=config.data.shuffle)
 
     # ---------------------------------------------------------------- losses
-    def _inputs(self, pair_ids: list[int]):
+    def step_inputs(self):
+        """The engine's DataLoader (workers, prefetch) over this process's share of each
+        micro-batch, from the resumed step on."""
+        runtime, data = self.runtime, self.config.data
+        per_rank = self.global_batch.micro_batch // runtime.world_size
+        layout = [Forward(micro, runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
+                  for micro in range(self.global_batch.accumulation)]
+        dataset = PairFeatures(self.cache, self.batches, self.global_batch.accumulation, self.config.training.seed,
+                               self.config.objective)
+        return make_loader(dataset, ResumableSampler(layout, self.start_step, self.config.training.max_steps),
+                           num_workers=data.num_workers, prefetch_factor=data.prefetch_factor,
+                           pin_memory=runtime.device.type == "cuda")
+
+    def _inputs(self, item: dict):
         """Chosen and rejected tokens (B, N, 64), text (B, L, ...), mask and positions on the device."""
         device = self.runtime.device
-        chosen = self.cache.latents([2 * i for i in pair_ids])
-        rejected = self.cache.latents([2 * i + 1 for i in pair_ids])
-        _, _, h, w = chosen.shape
-        embeds, mask = self.cache.text([2 * i for i in pair_ids], [False] * len(pair_ids))
-        positions = position_ids(embeds.shape[1], h // 2, w // 2, device)
-        return pack_latents(chosen).to(device), pack_latents(rejected).to(device), embeds.to(device), mask.to(device), positions
+        h, w = item["grid"].tolist()
+        positions = position_ids(item["embeds"].shape[1], h, w, device)
+        return (item["chosen"].to(device), item["rejected"].to(device), item["embeds"].to(device), item["mask"].to(device),
+                positions)
 
     def pair_losses(self, model, chosen, rejected, embeds, mask, positions, noise, t, with_grad: bool) -> PairLosses:
         """Model and reference losses of chosen and rejected under the same noise and time."""
@@ -145,22 +190,17 @@ class DPOTrainer(PosttrainTrainer):
         return PairLosses(*model_losses, *ref_losses)
 
     def train_step(self, step: int, items=None) -> tuple[float, float]:
-        config, runtime, section = self.config, self.runtime, self.config.dpo
+        runtime, section = self.runtime, self.config.dpo
         accumulation = self.global_batch.accumulation
         total, stats = 0.0, {}
         for micro in range(accumulation):
-            index = step * accumulation + micro
-            local = self.batches.local_batch(index, runtime.rank, runtime.world_size)
-            global_ids = self.batches.global_batch(index)
-            chosen, rejected, embeds, mask, positions = self._inputs(local)
-            generator = self.generator(index)
-            noise = torch.randn((len(global_ids), *chosen.shape[1:]), generator=generator)
-            t = sample_timesteps(len(global_ids), chosen.shape[1], config.objective, generator)
-            mine = slice(runtime.rank * len(local), (runtime.rank + 1) * len(local))
+            item = next(items)
+            global_ids = self.batches.global_batch(step * accumulation + micro)
+            chosen, rejected, embeds, mask, positions = self._inputs(item)
             # Forward and backward inside: DDP prepares its gradient all-reduce in the forward.
             with no_sync(self.model, runtime, sync=micro == accumulation - 1):
                 losses = self.pair_losses(self.model, chosen, rejected, embeds, mask, positions,
-                                          noise[mine].to(chosen.device), t[mine].to(chosen.device), with_grad=True)
+                                          item["noise"].to(chosen.device), item["t"].to(chosen.device), with_grad=True)
                 loss = dpo_loss(losses, section.beta, section.sft_weight, section.chosen_anchor_weight)
                 mean_loss = float(runtime.mean(loss))
                 if not math.isfinite(mean_loss):
@@ -190,7 +230,7 @@ class DPOTrainer(PosttrainTrainer):
         self.model.eval()
         try:
             for pair_id in ids:
-                chosen, rejected, embeds, mask, positions = self._inputs([pair_id])
+                chosen, rejected, embeds, mask, positions = self._inputs(pair_tensors(self.cache, [pair_id]))
                 repeat = lambda x: x.repeat_interleave(HELDOUT_DRAWS, 0)
                 noise = torch.randn((HELDOUT_DRAWS, *chosen.shape[1:]), generator=generator).to(chosen.device)
                 t = sample_timesteps(HELDOUT_DRAWS, chosen.shape[1], self.config.objective, generator).to(chosen.device)

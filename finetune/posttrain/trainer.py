@@ -125,8 +125,8 @@ class PosttrainTrainer(Trainer):
         self.model = build_sharded_transformer(config, runtime, assemble=self.assemble_full)
         self.pipe.register_modules(transformer=self.sampling_transformer(self.model))
 
-    def _loader(self):
-        """Post-training methods make their own inputs each step (rollouts, pairs from the cache)."""
+    def step_inputs(self):
+        """GRPO and distillation make their own inputs each step (rollouts, prompts); DPO overrides this."""
         return itertools.repeat(None)
 
     # ---------------------------------------------------------------- shared pieces
