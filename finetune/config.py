@@ -385,7 +385,7 @@ def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 def build_config(raw: dict[str, Any], overrides: list[str] = (), cls: type = TrainConfig) -> TrainConfig:
     """Parse a raw mapping (from YAML) plus ``key=value`` overrides into a validated config
     (``cls``: :class:`TrainConfig` or a subclass, e.g. the post-training config)."""
-    from .recipes import recipe_defaults
+    from .recipes import UnknownRecipe, recipe_defaults
 
     raw = copy.deepcopy(raw or {})
     for text in overrides:
@@ -397,7 +397,11 @@ def build_config(raw: dict[str, Any], overrides: list[str] = (), cls: type = Tra
                 raise ConfigError(f"override {text!r}: {part!r} is not a section")
         node[path[-1]] = value
     if raw.get("recipe"):
-        raw = _deep_merge(recipe_defaults(raw["recipe"]), raw)
+        try:
+            defaults = recipe_defaults(raw["recipe"])
+        except UnknownRecipe as err:
+            raise ConfigError(err.message) from None
+        raw = _deep_merge(defaults, raw)
     config = config_from_dict(cls, raw)
     config.validate()
     return config

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from krea2_diffusers.sampling import compute_mu, time_shift
+from krea2_diffusers.sampling import compute_mu, noised, time_shift
 
 from .config import ObjectiveConfig
 
@@ -36,9 +36,9 @@ def sample_timesteps(batch_size: int, image_seq_len: int, config: ObjectiveConfi
 
 
 def add_noise(latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """``(1 - t) * latents + t * noise``; latents/noise (B, N, C), t (B,)."""
-    t = t.view(-1, *([1] * (latents.ndim - 1))).to(latents.dtype)
-    return (1.0 - t) * latents + t * noise
+    """``(1 - t) * latents + t * noise``; latents/noise (B, N, C), t (B,): the sampler's
+    :func:`krea2_diffusers.sampling.noised` (one noising step for training and sampling)."""
+    return noised(latents, noise, t)
 
 
 def loss_weights(t: torch.Tensor, weighting: str) -> torch.Tensor:

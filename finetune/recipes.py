@@ -49,11 +49,18 @@ RECIPES: dict[str, dict[str, Any]] = {
 }
 
 
-def recipe_defaults(name: str) -> dict[str, Any]:
-    from .config import ConfigError
+class UnknownRecipe(KeyError):
+    """A recipe name that is not in :data:`RECIPES`; ``message`` names the closest one.
+    (:func:`finetune.config.build_config` reports it as a ``ConfigError``.)"""
 
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+def recipe_defaults(name: str) -> dict[str, Any]:
     if name not in RECIPES:
         hint = difflib.get_close_matches(name, list(RECIPES), n=1)
         more = f"; did you mean {hint[0]!r}?" if hint else ""
-        raise ConfigError(f"unknown recipe {name!r}{more} (known: {', '.join(RECIPES)})")
+        raise UnknownRecipe(f"unknown recipe {name!r}{more} (known: {', '.join(RECIPES)})")
     return copy.deepcopy(RECIPES[name])

@@ -65,7 +65,7 @@ class Validator:
         return saved
 
     def _turbo_with(self, lora_layers):
-        from krea2_diffusers.loaders.lora import apply_lora_layers
+        from krea2_diffusers.loaders.lora import apply_lora_layers, delete_lora
 
         from .model import load_turbo_pipeline
 
@@ -73,7 +73,6 @@ class Validator:
             self._turbo = load_turbo_pipeline(self.config.model.turbo_model_name_or_path, self.pipe, self.config.model.dtype)
         transformer = self._turbo.transformer
         if "validation" in (getattr(transformer, "peft_config", None) or {}):
-            transformer.delete_adapters("validation")
-            transformer._krea2_lora_strengths.pop("validation", None)
+            delete_lora(transformer, "validation")
         apply_lora_layers(transformer, lora_layers, adapter_name="validation")
         return self._turbo

@@ -180,9 +180,14 @@ def denoise_sigmas(num_inference_steps: int, denoise: float) -> list[float]:
     return grid[-(num_inference_steps + 1):-1].tolist()
 
 
-def noised(x0: torch.Tensor, noise: torch.Tensor, t: float) -> torch.Tensor:
-    """The flow's point at time t: ``(1 - t) x0 + t noise``, in float32 at least (t = 1 gives the noise exactly)."""
+def noised(x0: torch.Tensor, noise: torch.Tensor, t: float | torch.Tensor) -> torch.Tensor:
+    """The flow's point at time t: ``(1 - t) x0 + t noise``, in float32 at least (t = 1 gives the noise exactly).
+
+    The one noising step of the project (sampling, img2img, training objectives): ``t`` a float, or
+    a (B,) tensor of per-sample times for x0/noise (B, ...)."""
     dtype = torch.promote_types(x0.dtype, torch.float32)
+    if isinstance(t, torch.Tensor):
+        t = t.to(dtype).view(-1, *([1] * (x0.ndim - 1)))
     return ((1.0 - t) * x0.to(dtype) + t * noise.to(dtype)).to(x0.dtype)
 
 

@@ -54,7 +54,7 @@ class DatasetScan:
         return ", ".join(parts)
 
 
-def _probe(path: Path, scan: DatasetScan) -> tuple[int, int] | None:
+def probe_image(path: Path, scan: DatasetScan) -> tuple[int, int] | None:
     """Image size, or None (and a counted skip) when the file cannot be decoded."""
     try:
         with Image.open(path) as image:
@@ -73,7 +73,7 @@ def scan_folder(folder: Path, caption_extension: str = ".txt") -> DatasetScan:
         if not caption_path.is_file():
             scan.skip("missing caption", path)
             continue
-        size = _probe(path, scan)
+        size = probe_image(path, scan)
         if size is not None:
             caption = caption_path.read_text(encoding="utf-8").strip()
             parts = path.relative_to(folder).parts
@@ -81,7 +81,7 @@ def scan_folder(folder: Path, caption_extension: str = ".txt") -> DatasetScan:
     return scan
 
 
-def _manifest_rows(path: Path) -> list[dict]:
+def manifest_rows(path: Path) -> list[dict]:
     if path.suffix == ".jsonl":
         rows = []
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
@@ -102,7 +102,7 @@ def scan_manifest(path: Path) -> DatasetScan:
     """Rows need ``path`` (relative to the manifest) and ``caption``; ``width``/``height`` and
     ``crop`` ([left, top, right, bottom]) and ``style_id`` are optional."""
     scan = DatasetScan()
-    for row in _manifest_rows(path):
+    for row in manifest_rows(path):
         image_path = row.get("path") or row.get("image")
         if not image_path:
             scan.skip("row without path", json.dumps(row)[:80])
@@ -112,7 +112,7 @@ def scan_manifest(path: Path) -> DatasetScan:
         if caption is None:
             scan.skip("missing caption", image_path)
             continue
-        size = _probe(image_path, scan) if image_path.is_file() else None
+        size = probe_image(image_path, scan) if image_path.is_file() else None
         if not image_path.is_file():
             scan.skip("missing image", image_path)
         if size is None:

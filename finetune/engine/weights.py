@@ -75,12 +75,23 @@ def local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 
     if not isinstance(tensor, DTensor):
         return tensor, 0, tensor.shape[0] if tensor.ndim else 1
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     if any(not (p.is_replicate() or (isinstance(p, Shard) and p.dim == 0)) for p in tensor.placements):
         raise NotImplementedError(f"only dim-0 sharding is read from files, got placements {tensor.placements}")
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    return tensor.to_local(), offset[0] if offset else 0, shape[0] if shape else 1
+    local = tensor.to_local()
+    if not tensor.ndim:
+        return local, 0, 1
+    # Shard(0)'s even chunking, mesh dimension by mesh dimension: ceil(rows / n) rows per rank, the
+    # last ranks' chunks short or empty (torch.distributed.tensor's rule; its helper is private).
+    rows, first = tensor.shape[0], 0
+    coordinate = tensor.device_mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, Shard):
+            chunk = -(-rows // tensor.device_mesh.size(mesh_dim))
+            start = min(chunk * coordinate[mesh_dim], rows)
+            first, rows = first + start, min(rows, start + chunk) - start
+    if rows != local.shape[0]:
+        raise RuntimeError(f"DTensor {tuple(tensor.shape)} {tensor.placements}: {local.shape[0]} local rows, expected {rows}")
+    return local, first, rows
 
 
 def check_names(model: nn.Module, source: WeightSource, where: str) -> None:

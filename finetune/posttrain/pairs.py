@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..data.dataset import SYNTHETIC_WORDS, DatasetError, DatasetScan, Sample, _manifest_rows, _probe
+from ..data.dataset import SYNTHETIC_WORDS, DatasetError, DatasetScan, Sample, manifest_rows, probe_image
 
 logger = logging.getLogger("finetune")
 
@@ -34,7 +34,7 @@ def scan_pairs(path: str | Path) -> tuple[list[Pair], DatasetScan]:
         raise DatasetError(f"dpo.data {str(path)!r} is not a .jsonl/.parquet file of prompt, chosen, rejected")
     scan = DatasetScan()
     pairs = []
-    for number, row in enumerate(_manifest_rows(path), 1):
+    for number, row in enumerate(manifest_rows(path), 1):
         missing = [key for key in ("prompt", "chosen", "rejected") if row.get(key) in (None, "")]
         if missing:
             scan.skip(f"row without {missing[0]}", f"{path}:{number}")
@@ -45,7 +45,7 @@ def scan_pairs(path: str | Path) -> tuple[list[Pair], DatasetScan]:
             if not image_path.is_file():
                 scan.skip("missing image", image_path)
                 break
-            size = _probe(image_path, scan)
+            size = probe_image(image_path, scan)
             if size is None:
                 break
             images.append(Sample(image_path, str(row["prompt"]).strip(), *size))

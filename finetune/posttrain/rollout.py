@@ -127,4 +127,4 @@ def decode_to_pil(vae, latents: torch.Tensor, height: int, width: int) -> list:
     from krea2_diffusers.pipelines.text_to_image import Krea2Pipeline
 
     pixels = decode_latents(vae, unpack_latents(latents.to(next(vae.parameters()).device), height, width))
-    return Krea2Pipeline._to_output(pixels, "pil")
+    return Krea2Pipeline.to_output(pixels, "pil")

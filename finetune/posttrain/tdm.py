@@ -44,6 +44,7 @@ from krea2_diffusers.presets import DISTILLED_METADATA_KEY, STEPS_METADATA_KEY
 
 from ..methods import ADAPTER_NAME, add_lora
 from ..engine.parallel import full_state_dict, unwrap
+from ..objective import add_noise, flow_matching_loss
 from ..trainer import NonFiniteLossError
 from .rollout import initial_noise, text_inputs, text_positions, velocity
 from .trainer import PosttrainTrainer
@@ -216,9 +217,8 @@ class DistillTrainer(PosttrainTrainer):
         """One optimizer step of the fake score alone: flow matching on the student's step-k
         estimates ``sample`` (B, N, C) diffused to ``tau`` (B,), so it models that step's
         distribution (the segment-restricted part of TDM's distribution matching). Returns the loss."""
-        noisy = (1 - tau.view(-1, 1, 1)) * sample + tau.view(-1, 1, 1) * eps
-        fake_v = self.part_velocity("fake", noisy, tau, embeds, mask)
-        loss = (fake_v - (eps - sample)).pow(2).flatten(1).mean(1).mean()
+        fake_v = self.part_velocity("fake", add_noise(sample, eps, tau), tau, embeds, mask)
+        loss = flow_matching_loss(fake_v, sample, eps, tau)
         loss.backward()
         # Only the fake score's parameters have gradients: the optimizer leaves the student's alone.
         self.optimizer_step()
@@ -272,7 +272,7 @@ class DistillTrainer(PosttrainTrainer):
         if section.distribution_weight:
             x0_hat = latents - t_k * student_v
             tau, eps = self._segment_times(generator, total, mine, t_k, t_after), draw_eps()
-            noisy = (1 - tau.view(-1, 1, 1)) * x0_hat.detach() + tau.view(-1, 1, 1) * eps
+            noisy = add_noise(x0_hat.detach(), eps, tau)
             with torch.no_grad():
                 x0_teacher = noisy - tau.view(-1, 1, 1) * self.teacher_velocity(noisy, tau, embeds, mask, uncond, uncond_mask)
                 x0_fake = noisy - tau.view(-1, 1, 1) * self.part_velocity("fake", noisy, tau, embeds, mask)

@@ -11,18 +11,49 @@ decays them towards a scale of 1); never to biases or modulation tables.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from krea2_diffusers.models.layers import RMSNorm
 
 from .config import PretrainOptimizerConfig
 
 logger = logging.getLogger("finetune")
+
+
+# torch.optim.Muon's two steps, as torch 2.13 writes them in its private torch.optim._muon (BSD
+# licence): the gathered variant below must give torch's update bit for bit (tested), and a private
+# module may change without notice.
+def newton_schulz(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float) -> torch.Tensor:
+    """Quintic Newton-Schulz orthogonalisation of a 2-D ``grad`` (in bf16), as torch's Muon."""
+    a, b, c = ns_coefficients
+    ortho_grad = grad.bfloat16()
+    if grad.size(0) > grad.size(1):
+        ortho_grad = ortho_grad.T
+    ortho_grad.div_(ortho_grad.norm().clamp(min=eps))  # spectral norm at most 1
+    for _ in range(ns_steps):
+        gram_matrix = ortho_grad @ ortho_grad.T
+        gram_update = torch.addmm(gram_matrix, gram_matrix, gram_matrix, beta=b, alpha=c)
+        ortho_grad = torch.addmm(ortho_grad, gram_update, ortho_grad, beta=a)
+    if grad.size(0) > grad.size(1):
+        ortho_grad = ortho_grad.T
+    return ortho_grad
+
+
+def muon_lr(lr: float, adjust_lr_fn: str | None, param_shape: torch.Size) -> float:
+    """torch's Muon learning-rate adjustment for a (A, B) matrix."""
+    rows, cols = param_shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        ratio = math.sqrt(max(1, rows / cols))
+    elif adjust_lr_fn == "match_rms_adamw":
+        ratio = 0.2 * math.sqrt(max(rows, cols))
+    else:
+        ratio = 1.0
+    return lr * ratio
 
 # First and last layers and the timestep embedding stay on AdamW (the report: Muon only beat AdamW
 # once the first and last linear layers were excluded).
@@ -88,17 +119,17 @@ class GatheredMuon(torch.optim.Muon):
                 update = param.grad.lerp(buf, momentum) if group["nesterov"] else buf
                 update = _orthogonalise(update, group)
                 param.mul_(1 - lr * group["weight_decay"])
-                param.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape))
+                param.add_(update, alpha=-muon_lr(lr, group["adjust_lr_fn"], param.shape))
         return loss
 
 
 def _orthogonalise(update: torch.Tensor, group: dict) -> torch.Tensor:
     args = (group["ns_coefficients"], group["ns_steps"], group["eps"])
     if not hasattr(update, "full_tensor"):
-        return _zeropower_via_newtonschulz(update, *args)
+        return newton_schulz(update, *args)
     from torch.distributed.tensor import distribute_tensor
 
-    whole = _zeropower_via_newtonschulz(update.full_tensor(), *args).to(update.dtype)
+    whole = newton_schulz(update.full_tensor(), *args).to(update.dtype)
     # Every process holds the same `whole`: cut out the local shard without communication.
     return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
 

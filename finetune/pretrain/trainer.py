@@ -26,7 +26,7 @@ from ..metrics import MetricsLogger
 from ..objective import add_noise, flow_matching_loss
 from ..optim import lr_multiplier
 from ..rundir import RunDirectoryError, config_changes, config_fingerprint
-from ..trainer import NonFiniteLossError, _StopRequest
+from ..trainer import NonFiniteLossError, StopRequest
 from . import repa as repa_mod
 from .architecture import build_meta_transformer, check_fp8_available, convert_to_fp8_, materialize_
 from .batches import StageBatches, StepData, open_stage_pack
@@ -86,7 +86,7 @@ class Pretrainer:
         self._check_run_dir()
         check_fp8_available(config.stages, runtime.device)
         self.world = run_world_size(self.out, runtime.world_size)
-        self.stage_batches = [StageBatches(s, open_stage_pack(s), self.world) for s in config.stages]
+        self.stage_batches = [StageBatches(s, open_stage_pack(s), self.world, config.training.seed) for s in config.stages]
         runtime.barrier()
         if runtime.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -263,7 +263,7 @@ class Pretrainer:
                                 config.logging.progress_bar, config.logging.log_every_n_steps)
         every = config.checkpointing.every_n_steps
         try:
-            with _StopRequest() as stop:
+            with StopRequest() as stop:
                 while step < total:
                     index, _ = config.stage_at(step + 1)
                     stage = config.stages[index]

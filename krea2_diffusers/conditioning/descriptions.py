@@ -15,7 +15,7 @@ import PIL.Image
 import torch
 
 from .references import (
-    IMAGE_PAD, REFERENCE_MAX_PIXELS, _one_image, _takes_token_types, _token_id, to_rgb, vision_block, vision_inputs,
+    IMAGE_PAD, REFERENCE_MAX_PIXELS, one_image, takes_token_types, token_id, to_rgb, vision_block, vision_inputs,
 )
 from .text import base_text_model
 
@@ -62,9 +62,9 @@ def describe_image(model, tokenizer, image, instruction: str, request: str, seed
     """
     from .expander import chat_input_ids, clean_generated_text, sample_text
 
-    picture = _one_image(image)
+    picture = one_image(image)
     config = getattr(model, "config", None)
-    image_token = _token_id(tokenizer, IMAGE_PAD, getattr(config, "image_token_id", None))
+    image_token = token_id(tokenizer, IMAGE_PAD, getattr(config, "image_token_id", None))
     pixel_values, grid, tokens = vision_inputs(model, [picture], max_pixels)
     messages = [
         {"role": "system", "content": instruction},
@@ -79,7 +79,7 @@ def describe_image(model, tokenizer, image, instruction: str, request: str, seed
     if getattr(getattr(model, "generation_config", None), "eos_token_id", None) is None and tokenizer.eos_token_id is not None:
         kwargs["eos_token_id"] = tokenizer.eos_token_id
     vision = dict(pixel_values=pixel_values.to(device), image_grid_thw=grid.to(device))
-    if _takes_token_types(base_text_model(model).get_rope_index):
+    if takes_token_types(base_text_model(model).get_rope_index):
         vision["mm_token_type_ids"] = token_types
     raw = sample_text(model, tokenizer, input_ids, kwargs, seed, **vision)
     return clean_generated_text(raw, tuple(getattr(tokenizer, "all_special_tokens", ())))
@@ -171,7 +171,7 @@ class StyleDescriptionCache:
         """:func:`describe_style`, computed once per (image content, model, seed, length)."""
         if seed is None:
             raise ValueError("cached style descriptions need a fixed seed (None would make every call differ)")
-        picture = _one_image(image)
+        picture = one_image(image)
         key = self.key(model, picture, seed, max_new_tokens, max_pixels)
         self._load()
         if key in self._entries:

@@ -157,7 +157,7 @@ def load_reference_images(images, what: str = "style image", gray: bool = False)
     return loaded
 
 
-def _one_image(image) -> PIL.Image.Image:
+def one_image(image) -> PIL.Image.Image:
     images = load_reference_images([image])
     if len(images) != 1:
         raise ValueError(f"expected one image, got a batch of {len(images)}")
@@ -295,13 +295,13 @@ def vision_block(tokens: int) -> str:
     return VISION_START + IMAGE_PAD * tokens + VISION_END
 
 
-def _token_id(tokenizer, token: str, expected: int | None) -> int:
-    token_id = tokenizer.convert_tokens_to_ids(token)
-    if token_id is None or token_id == getattr(tokenizer, "unk_token_id", object()):
+def token_id(tokenizer, token: str, expected: int | None) -> int:
+    found = tokenizer.convert_tokens_to_ids(token)
+    if found is None or found == getattr(tokenizer, "unk_token_id", object()):
         raise ValueError(f"tokenizer has no {token} token; style references need the Qwen3-VL tokenizer")
-    if expected is not None and token_id != expected:
-        raise ValueError(f"tokenizer maps {token} to {token_id} but the text encoder expects {expected}")
-    return token_id
+    if expected is not None and found != expected:
+        raise ValueError(f"tokenizer maps {token} to {found} but the text encoder expects {expected}")
+    return found
 
 
 def _tap(hidden_states, layers) -> torch.Tensor:
@@ -339,7 +339,7 @@ def encode_prompt_with_images(
     device = device or next(model.parameters()).device
     images = load_reference_images(images)
     pixel_values, grid, tokens = vision_inputs(text_encoder, images, max_pixels, image_processor)
-    image_token = _token_id(tokenizer, IMAGE_PAD, getattr(config, "image_token_id", None)) if images else None
+    image_token = token_id(tokenizer, IMAGE_PAD, getattr(config, "image_token_id", None)) if images else None
 
     # Prefix, vision blocks and prompt are tokenized together, as encode_prompts does for prefix + prompt;
     # the special tokens split the text, so the blocks tokenize exactly as written.
@@ -356,7 +356,7 @@ def encode_prompt_with_images(
         token_types = (input_ids == image_token).int()
         positions = _mrope_positions(model, input_ids, token_types, grid.to(device), mask)
         extra = dict(pixel_values=pixel_values.to(device), image_grid_thw=grid.to(device))
-        if _takes_token_types(model.get_rope_index):
+        if takes_token_types(model.get_rope_index):
             extra["mm_token_type_ids"] = token_types
     else:
         positions = (mask.long().cumsum(-1) - 1).unsqueeze(0).expand(3, -1, -1)
@@ -370,7 +370,7 @@ def encode_prompt_with_images(
     return embeds, mask[:, counts.prefix:], groups
 
 
-def _takes_token_types(function) -> bool:
+def takes_token_types(function) -> bool:
     """transformers 5 identifies vision tokens by ``mm_token_type_ids``; 4.x finds them by id."""
     return "mm_token_type_ids" in inspect.signature(function).parameters
 
@@ -378,7 +378,7 @@ def _takes_token_types(function) -> bool:
 def _mrope_positions(model, input_ids, token_types, grid, mask) -> torch.Tensor:
     """(3, 1, S) positions from the encoder's own mRoPE index: vision tokens get (t, h, w) grid
     positions, text counts on after each image's largest grid side."""
-    if _takes_token_types(model.get_rope_index):
+    if takes_token_types(model.get_rope_index):
         positions, _ = model.get_rope_index(input_ids, mm_token_type_ids=token_types, image_grid_thw=grid, attention_mask=mask)
     else:
         positions, _ = model.get_rope_index(input_ids, image_grid_thw=grid, attention_mask=mask)

@@ -30,6 +30,9 @@ from .convert import (
 
 FORMAT_KEY = "_quantization_metadata"
 FORMAT_VERSION = "1.0"
+# The Qwen3-VL text encoder's token embeddings in Hugging Face layout: a file holding it is a text
+# encoder (see looks_like_text_encoder; loaders.text_encoder imports it from here).
+EMBEDDINGS = "model.language_model.embed_tokens.weight"
 FP8_FORMAT = "float8_e4m3fn"
 SAFETENSORS_FP8 = "F8_E4M3"
 # Tensor-name endings that are format bookkeeping, not model weights, and the marker of the old form.
@@ -105,10 +108,15 @@ def dequantize(weights: dict[str, torch.Tensor], scales: Mapping[str, torch.Tens
     return weights
 
 
+def looks_like_text_encoder(header: dict) -> bool:
+    """Whether a safetensors header is a Hugging Face-layout Qwen3-VL (for ``krea2 quantize``).
+    Here, not in :mod:`.text_encoder` (which imports this module): no import circle."""
+    return EMBEDDINGS in header
+
+
 def _fp8_plan(src, header: dict) -> tuple[str, dict[str, str], Callable[[str, tuple], bool]]:
     """(kind, output name per source name, which output tensors to quantize) for a transformer or text encoder file."""
     from ..quantization.gguf.rules import is_quantizable
-    from .text_encoder import looks_like_text_encoder
 
     if looks_like_text_encoder(header):
         # The language model's matrices; embeddings, LM head and the vision tower stay as they are.

@@ -268,6 +268,12 @@ def apply_lora_layers(transformer: nn.Module, layers: Mapping[str, LoraLayer], a
     return name
 
 
+def delete_lora(transformer: nn.Module, adapter_name: str) -> None:
+    """Remove adapter ``adapter_name`` and its strength (the other adapters keep theirs)."""
+    transformer.delete_adapters(adapter_name)
+    getattr(transformer, "_krea2_lora_strengths", {}).pop(adapter_name, None)
+
+
 def set_lora_strength(transformer: nn.Module, adapter_name: str, strength: float) -> None:
     strengths = getattr(transformer, "_krea2_lora_strengths", {})
     if adapter_name not in strengths:

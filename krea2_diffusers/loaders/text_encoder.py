@@ -16,10 +16,10 @@ import torch
 
 from ..files import CheckpointError, read_safetensors, read_safetensors_header
 from . import comfy_fp8
+from .comfy_fp8 import EMBEDDINGS
 from .meta import assign_state_dict, parameters_on_meta
 
 LM_HEAD = "lm_head.weight"
-EMBEDDINGS = "model.language_model.embed_tokens.weight"
 # Qwen3-VL-4B-Instruct as released (its config.json); the vision tower's rotary and patch sizes are shared by all sizes.
 QWEN3VL_4B_INSTRUCT = dict(
     text_config=dict(
@@ -168,8 +168,3 @@ def text_encoder_state_dict(model) -> dict[str, torch.Tensor]:
     if model.config.tie_word_embeddings:
         state.pop(LM_HEAD, None)
     return state
-
-
-def looks_like_text_encoder(header: dict) -> bool:
-    """Whether a safetensors header is a Hugging Face-layout Qwen3-VL (for ``krea2 quantize``)."""
-    return EMBEDDINGS in header

@@ -65,7 +65,7 @@ class Krea2InpaintPipeline(Krea2Img2ImgPipeline):
         out = Krea2Pipeline.__call__(self, prompt, height=height, width=width, image_start=start, output_type=inner_type, **kwargs)
         images = out.images
         if box is not None and output_type != "latent":
-            images = self._to_output(overlay(images, originals, full_masks, box), output_type)
+            images = self.to_output(overlay(images, originals, full_masks, box), output_type)
         if not return_dict:
             return (images,)
         return Krea2PipelineOutput(images=images, expanded_prompts=out.expanded_prompts)

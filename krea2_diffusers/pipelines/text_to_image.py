@@ -426,7 +426,7 @@ class Krea2Pipeline(DiffusionPipeline):
             images = latents
         else:
             images = decode_latents(self.vae, unpack_latents(latents, height, width))
-            images = self._to_output(images, output_type)
+            images = self.to_output(images, output_type)
         if not return_dict:
             return (images,)
         return Krea2PipelineOutput(images=images, expanded_prompts=expanded)
@@ -504,7 +504,7 @@ class Krea2Pipeline(DiffusionPipeline):
         return getattr(self, "_num_timesteps", 0)
 
     @staticmethod
-    def _to_output(images: torch.Tensor, output_type: str):
+    def to_output(images: torch.Tensor, output_type: str):
         if output_type == "pt":
             return images
         array = images.permute(0, 2, 3, 1).cpu().numpy()
