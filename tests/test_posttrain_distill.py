@@ -124,7 +124,7 @@ def test_lora_distillation_trains_two_adapters_and_exports_the_students(tmp_path
         "model": {"pretrained_model_name_or_path": "tiny-random"},
         "training": {"method": "lora", "max_steps": 3, "batch_size": 2, "seed": 0},
         "lora": {"rank": 4, "alpha": 4}, "optimizer": {"learning_rate": 1.0e-3},
-        "distill": {"prompts": PROMPTS, "student_steps": 4, "resolution": 32},
+        "distill": {"prompts": PROMPTS, "student_steps": 4, "resolution": 32, "distribution_weight": 1.0},
         "export": {"formats": ["diffusers"]}, "logging": {"progress_bar": False, "tensorboard": False},
     }
     from finetune.posttrain.run import trainer_for

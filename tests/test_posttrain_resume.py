@@ -50,7 +50,8 @@ def _configs(tmp: Path) -> dict[str, dict]:
         "distill": {**common, "output_dir": str(tmp / "distill"), "method": "distill",
                     "training": {"method": "full", "max_steps": MAX_STEPS, "batch_size": 2, "seed": 3},
                     "export": {"formats": ["original"]},
-                    "distill": {"prompts": ["a picture", "a landscape"], "student_steps": 4, "resolution": 32}},
+                    "distill": {"prompts": ["a picture", "a landscape"], "student_steps": 4, "resolution": 32,
+                                "distribution_weight": 1.0}},
     }
 
 

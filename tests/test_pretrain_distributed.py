@@ -2,10 +2,7 @@
 the REPA projector as its own FSDP unit), resumed on 1 process: the same losses."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -14,6 +11,7 @@ import pytest
 import torch
 
 from krea2_diffusers.cli import main as krea2
+from launcher import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = """\
@@ -46,11 +44,7 @@ def test_two_process_run_resumes_on_one_process_with_the_same_losses(tmp_path):
     table = table.set_column(table.schema.get_field_index("image_bytes"), "image_bytes", pa.array(images, pa.binary()))
     pq.write_table(table.replace_schema_metadata(table.schema.metadata), shard)
     (tmp_path / "c.yaml").write_text(CONFIG)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29573",
-                             "-m", "finetune.pretrain", str(tmp_path / "c.yaml")], env=env, capture_output=True, text=True,
-                            timeout=400)
-    assert result.returncode == 0, result.stderr[-3000:]
+    torchrun(2, ["-m", "finetune.pretrain", str(tmp_path / "c.yaml")], timeout=400)
     two = tmp_path / "two"
     assert sorted((two / "checkpoints").iterdir())[-1].name == "step-4"
     assert len(list((two / "checkpoints/step-4").glob("*.distcp"))) == 2  # one shard file per process

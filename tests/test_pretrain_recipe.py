@@ -2,9 +2,6 @@
 under FSDP2), the AdamW/Muon split, per-stage timestep shift, scratch init, captions, decode failures."""
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -20,6 +17,7 @@ from finetune.pretrain.batches import StageBatches, StepData, choose_caption
 from finetune.pretrain.config import (CaptionConfig, PretrainModelConfig, PretrainOptimizerConfig, StageConfig,
                                       build_pretrain_config)
 from finetune.pretrain.optimizers import GatheredMuon, make_optimizers, split_parameters
+from launcher import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,10 +40,7 @@ def test_gathered_muon_is_torch_muon_on_whole_matrices():
 
 
 def test_gathered_muon_under_fsdp2_matches_one_process():
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561",
-                             str(ROOT / "tests/pretrain_muon_worker.py")], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    torchrun(2, [str(ROOT / "tests/pretrain_muon_worker.py")], timeout=300)
 
 
 def test_first_and_last_layers_embeddings_and_vectors_stay_on_adamw():
