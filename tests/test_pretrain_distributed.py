@@ -9,7 +9,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+import yaml
 
+from finetune.packs import PackReader
+from finetune.pretrain.batches import StageBatches
+from finetune.pretrain.config import build_pretrain_config
 from krea2_diffusers.cli import main as krea2
 from launcher import torchrun
 
@@ -35,11 +39,14 @@ def test_two_process_run_resumes_on_one_process_with_the_same_losses(tmp_path):
 
     manifest = make_synthetic_set(tmp_path / "data", count=16)
     assert krea2(["pack", str(manifest), str(tmp_path / "pack"), "--resolution", "64", "--batch-size", "2"]) == 0
-    # Broken rows: one in step 2 (rows 4-7), and all of process 1's rows in step 3 (rows 10, 11).
+    # Broken rows: one in step 2, and all of process 1's rows in step 3 (the epoch's order places them).
+    config = build_pretrain_config(yaml.safe_load(CONFIG))
+    batches = StageBatches(config.stages[0], PackReader(tmp_path / "pack"), 2, config.training.seed)
+    step_2, step_3 = batches.global_rows(1), batches.global_rows(2)
     shard = next((tmp_path / "pack").glob("*.parquet"))
     table = pq.read_table(shard)
     images = table.column("image_bytes").to_pylist()
-    for row in (5, 10, 11):
+    for row in (step_2[0].start, *step_3[1]):
         images[row] = b"not a png"
     table = table.set_column(table.schema.get_field_index("image_bytes"), "image_bytes", pa.array(images, pa.binary()))
     pq.write_table(table.replace_schema_metadata(table.schema.metadata), shard)
