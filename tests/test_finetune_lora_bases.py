@@ -1,6 +1,6 @@
 """Every advertised LoRA base (``model.quantize: none | fp8 | int8 | nf4``) end to end, on a tiny
 random model in the original single-file layout, shaped so that ComfyUI's native loader can build
-its blocks (one 128-wide head, as ComfyUI's Krea 2 requires; 2 blocks; ~1.5 M parameters).
+its blocks (one 128-wide head, as ComfyUI's Krea 2 requires; 2 blocks; 0.7 M parameters).
 
 Per base: a real ``python -m finetune`` process trains with validation on (samples at step 4,
 after the step-4 checkpoint) and is killed with SIGKILL at step 7; ``--resume`` redoes steps 5-7
