@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import yaml
@@ -34,7 +35,10 @@ def kill_at(step: int, config_path: str) -> dict:
         code = 1
         try:
             code = main([config_path])
+        except BaseException:  # said on stderr (os._exit skips the interpreter's own report)
+            traceback.print_exc()
         finally:
+            sys.stderr.flush()
             os._exit(code)
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
