@@ -9,7 +9,7 @@ import re
 import torch
 from torch import nn
 
-from .config import LoRAConfig
+from .config import ConfigError, LoRAConfig
 
 ADAPTER_NAME = "default"
 _BLOCK = r"transformer_blocks\.\d+"
@@ -75,6 +75,26 @@ def quantize_base(transformer: nn.Module, mode: str, compute_dtype: torch.dtype)
     from krea2_diffusers.quantization.bnb import quantize_transformer_
 
     return quantize_transformer_(transformer, mode, compute_dtype)
+
+
+def check_quantize(mode: str, device: torch.device) -> None:
+    """Refuse a base that bitsandbytes cannot store here (``int8`` / ``nf4``) before any model
+    loads: bitsandbytes must import and a small layer of that mode must run on ``device`` (a
+    build without this device's backend fails there). A :class:`ConfigError` naming the mode."""
+    if mode not in ("int8", "nf4"):
+        return
+    from krea2_diffusers.quantization.bnb import BitsAndBytesUnavailable, quantize_linears_
+
+    probe = nn.Sequential(nn.Linear(64, 64))
+    try:
+        quantize_linears_(probe, mode, compute_dtype=torch.float32)
+        with torch.no_grad():
+            probe.to(device)(torch.ones(1, 64, device=device))
+    except BitsAndBytesUnavailable as err:
+        raise ConfigError(f"model.quantize={mode!r}: {err}") from err
+    except Exception as err:  # noqa: BLE001 - whatever the backend raises, said in one line
+        raise ConfigError(f"model.quantize={mode!r}: bitsandbytes cannot run {mode} layers on {device} here "
+                          f"({type(err).__name__}: {err}); use model.quantize: fp8 or none") from err
 
 
 def trainable_parameter_count(module: nn.Module) -> int:

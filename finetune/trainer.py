@@ -22,7 +22,7 @@ from .engine.loader import CachedFeatures, GlobalBatch, ResumableSampler, make_l
 from .engine.parallel import full_state_dict, no_sync, unwrap, wrap_model
 from .engine.runtime import setup_runtime
 from .metrics import MetricsLogger
-from .methods import add_lora, quantize_base, trainable_parameter_count
+from .methods import add_lora, check_quantize, quantize_base, trainable_parameter_count
 from .objective import add_noise, flow_matching_loss
 from .optim import make_lr_scheduler, make_optimizer
 from .rundir import RunDirectoryError, check_output_dir, config_fingerprint
@@ -81,6 +81,7 @@ class Trainer:
         self.config = config
         self.resume = resume
         self.runtime = setup_runtime(config)
+        check_quantize(config.model.quantize, self.runtime.device)  # before any model loads
         self.out = Path(config.output_dir)
         self.lora = config.training.method == "lora"
         # Further scalars of the last step for metrics.jsonl (post-training's rewards, margins ...).

@@ -73,3 +73,15 @@ def pair_of_transformers(dtype: torch.dtype, **overrides):
 
 
 __all__ = ["small_config", "random_state_dict", "pair_of_transformers", "randomize_"]
+
+
+@pytest.fixture(scope="session")
+def comfyui(tmp_path_factory):
+    """One real ComfyUI server for the whole session (``comfyui_harness``); skipped without the harness."""
+    from comfyui_harness import HARNESS, NO_HARNESS, start_server
+
+    if not HARNESS:
+        pytest.skip(NO_HARNESS)
+    server = start_server(tmp_path_factory.mktemp("comfyui-base"))
+    yield server
+    server.stop()

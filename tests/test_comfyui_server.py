@@ -1,10 +1,7 @@
 """The node pack inside a REAL ComfyUI server (0.29.0, CPU), driven over HTTP as a user's browser does.
 
-``.ci/run`` builds the harness (``../shared/comfyui/setup.sh DIR .``) and exports
-``KREA2_COMFYUI_DIR=DIR`` (holding ``DIR/comfyui`` and ``DIR/venv``). Without it (a plain clone) the
-module is skipped, saying so. The server runs on a free loopback port with a temporary base
-directory (custom_nodes linking this checkout's pack, models, input, output), so the harness
-itself is never modified; it is stopped by PID.
+The server is the session's ``comfyui`` fixture (``comfyui_harness``: built by ``.ci/run``, named
+by ``$KREA2_COMFYUI_DIR``). Without it (a plain clone) the module is skipped, saying so.
 
 Models are tiny and random, written as the single files ComfyUI users hold: the Qwen3-VL text
 encoder in Hugging Face layout in ``models/text_encoders`` and the Qwen-Image VAE in Wan 2.1 layout
@@ -14,39 +11,21 @@ in ``models/vae`` (loaded by both our loader and ComfyUI's native VAELoader).
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-COMFYUI_DIR_ENV = "KREA2_COMFYUI_DIR"
-HARNESS = os.environ.get(COMFYUI_DIR_ENV)
-pytestmark = pytest.mark.skipif(
-    not HARNESS, reason=f"${COMFYUI_DIR_ENV} is unset: no real ComfyUI harness (.ci/run builds one with "
-                        "../shared/comfyui/setup.sh and sets it)")
+from comfyui_harness import HARNESS, NO_HARNESS, REPO
 
-REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(not HARNESS, reason=NO_HARNESS)
+
 EXAMPLES = REPO / "examples" / "comfyui"
 TE_FILE, VAE_FILE = "qwen3vl_4b_tiny.safetensors", "qwen_image_vae_tiny.safetensors"
 SIZE, STEPS = 64, 2
-START_TIMEOUT_S, RUN_TIMEOUT_S = 180, 300
 # One 8-bit level: our IMAGE and native VAEDecode's run the same weights through two implementations.
 PIXEL_TOLERANCE = 1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _write_models(base: Path) -> None:
@@ -79,85 +58,12 @@ def _write_models(base: Path) -> None:
         Image.fromarray(rng.integers(0, 256, (SIZE, SIZE + 32, 3), dtype=np.uint8)).save(base / "input" / name)
 
 
-class Server:
-    def __init__(self, base: Path):
-        harness = Path(HARNESS)
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(base / "server.log", "w")
-        env = {**os.environ, "PYTHONPATH": str(REPO)}  # this checkout's library, whatever the venv has
-        self.process = subprocess.Popen(
-            [str(harness / "venv" / "bin" / "python"), str(harness / "comfyui" / "main.py"), "--cpu", "--listen", "127.0.0.1",
-             "--port", str(self.port), "--disable-auto-launch", "--disable-api-nodes", "--base-directory", str(base),
-             "--database-url", "sqlite:///:memory:"],
-            cwd=harness / "comfyui", stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        self.base = base
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"ComfyUI exited with {self.process.returncode}:\n{self.tail()}")
-            try:
-                self.object_info = self.get("/object_info")
-                return
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(1)
-        raise TimeoutError(f"ComfyUI did not answer within {START_TIMEOUT_S} s:\n{self.tail()}")
-
-    def tail(self) -> str:
-        self.log.flush()
-        return (self.base / "server.log").read_text()[-4000:]
-
-    def get(self, path: str):
-        with urllib.request.urlopen(self.url + path, timeout=30) as response:
-            return json.loads(response.read())
-
-    def run(self, graph: dict) -> dict:
-        """Queue ``graph`` (API format), wait for it, and return its history entry; fail with ComfyUI's error."""
-        request = urllib.request.Request(self.url + "/prompt", data=json.dumps({"prompt": graph}).encode(),
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=30) as response:
-                prompt_id = json.loads(response.read())["prompt_id"]
-        except urllib.error.HTTPError as err:
-            raise AssertionError(f"ComfyUI refused the graph: {err.read().decode()[:2000]}") from None
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while time.monotonic() < deadline:
-            entry = self.get(f"/history/{prompt_id}").get(prompt_id)
-            if entry and entry.get("status", {}).get("completed") is not None:
-                status = entry["status"]
-                assert status["status_str"] == "success", f"{json.dumps(status['messages'])[:3000]}\n{self.tail()}"
-                return entry
-            time.sleep(0.5)
-        raise TimeoutError(f"graph did not finish in {RUN_TIMEOUT_S} s:\n{self.tail()}")
-
-    def images(self, entry: dict, node_id: str) -> list[np.ndarray]:
-        """The PNGs SaveImage node ``node_id`` wrote, as (H, W, 3) int arrays."""
-        files = entry["outputs"][node_id]["images"]
-        return [np.asarray(Image.open(self.base / "output" / f["subfolder"] / f["filename"]).convert("RGB")).astype(int)
-                for f in files]
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        self.log.close()
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    base = tmp_path_factory.mktemp("comfyui-base")
-    for kind in ("diffusion_models", "text_encoders", "vae", "loras", "diffusers"):
-        (base / "models" / kind).mkdir(parents=True)
-    _write_models(base)
-    (base / "custom_nodes").mkdir()
-    (base / "custom_nodes" / "krea2").symlink_to(REPO / "comfy_nodes")  # this checkout's pack, as users link it
-    running = Server(base)
-    yield running
-    running.stop()
+def server(comfyui):
+    """The session's ComfyUI with this module's models; the node list read again to show them."""
+    _write_models(comfyui.base)
+    comfyui.object_info = comfyui.get("/object_info")
+    return comfyui
 
 
 def tiny_loader(**overrides) -> dict:

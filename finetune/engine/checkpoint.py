@@ -6,8 +6,8 @@ A checkpoint is a folder ``<output_dir>/checkpoints/step-<N>/`` (N = the optimiz
     __<rank>_0.distcp    one file per process: its shard of the model and optimizer state, its RNG
     train_state.json     step, world size, LR schedule, data position, config fingerprint
 
-Every process writes only what it holds (FSDP2 shards as DTensors, keyed by parameter name via
-``get_state_dict``), so nothing is ever gathered onto one rank. Loading reshards to whatever the
+Every process writes only what it holds (FSDP2 shards as DTensors, keyed by parameter name; a
+LoRA run's model part is its trainable parameters only), so nothing is ever gathered onto one rank. Loading reshards to whatever the
 current run holds, so a checkpoint written by 2 processes resumes on 1 and vice versa.
 
 Atomicity: the folder is filled under a hidden staging name (``.step-<N>.<random>``, the project's
@@ -33,6 +33,7 @@ from torch import nn
 
 from krea2_diffusers.files import atomic_write_dir
 
+from .parallel import trainable_state, unwrap
 from .runtime import Runtime
 
 logger = logging.getLogger("finetune")
@@ -95,8 +96,15 @@ def _options(trainable_only: bool):
     return StateDictOptions(full_state_dict=False, ignore_frozen_params=trainable_only, strict=not trainable_only)
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool) -> tuple[dict, dict]:
+    """(model state, optimizer state) by parameter name. A LoRA run's model state is
+    :func:`~.parallel.trainable_state`: the adapters only, never a quantized base's packed weights
+    or quantization state."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    model, options = unwrap(model), _options(trainable_only)
+    model_state = trainable_state(model) if trainable_only else get_model_state_dict(model, options=options)
+    return model_state, get_optimizer_state_dict(model, optimizer, options=options)
 
 
 class Checkpointer:
@@ -124,7 +132,6 @@ class Checkpointer:
              train_state: dict[str, Any]) -> None:
         """Every process calls this. ``train_state``: JSON-able run state (main process's is written)."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         self.wait()
         runtime = self.runtime
@@ -136,7 +143,7 @@ class Checkpointer:
                      "trainable_only": trainable_only}
             (staging / STATE_FILE).write_text(json.dumps(state, indent=2))
         staging = self._broadcast_path(staging)
-        model_state, optim_state = get_state_dict(_unwrap(model), optimizer, options=_options(trainable_only))
+        model_state, optim_state = _state_dicts(model, optimizer, trainable_only)
         rng = {f"rank{runtime.rank}": rng_state(runtime.device)}
         payload = {"model": model_state, "optimizer": optim_state, "rng": rng}
         if self.async_save:
@@ -182,7 +189,7 @@ class Checkpointer:
         ones keep their fresh generators (nothing they draw depends on it: noise comes from the step).
         """
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         state = read_train_state(path)
         differences = [f"{key}: checkpoint {state.get(key)!r} vs this run {value!r}"
@@ -191,14 +198,16 @@ class Checkpointer:
             differences.append(f"trainable_only: checkpoint {state.get('trainable_only')} vs this run {trainable_only}")
         if differences:
             raise CheckpointMismatchError(f"{path} was written by another config/model: " + "; ".join(differences))
-        model_state, optim_state = get_state_dict(_unwrap(model), optimizer, options=_options(trainable_only))
+        model_state, optim_state = _state_dicts(model, optimizer, trainable_only)
         payload = {"model": model_state, "optimizer": optim_state}
         has_rng = self.runtime.rank < state["world_size"]
         if has_rng:
             payload["rng"] = {f"rank{self.runtime.rank}": rng_state(self.runtime.device)}
         dcp.load(payload, checkpoint_id=str(path), process_group=self._group)
-        set_state_dict(_unwrap(model), optimizer, model_state_dict=payload["model"],
-                       optim_state_dict=payload["optimizer"], options=_options(trainable_only))
+        options = _options(trainable_only)
+        if not trainable_only:  # a LoRA run's adapters were loaded in place (trainable_state holds the model's tensors)
+            set_model_state_dict(unwrap(model), payload["model"], options=options)
+        set_optimizer_state_dict(unwrap(model), optimizer, payload["optimizer"], options=options)
         if has_rng:
             set_rng_state(payload["rng"][f"rank{self.runtime.rank}"], self.runtime.device)
         return state

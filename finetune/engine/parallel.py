@@ -156,10 +156,25 @@ def gathered(model: nn.Module, runtime: Runtime):
         model.reshard()
 
 
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters (LoRA adapters, DoRA magnitudes) by checkpoint name, as the
+    model's own tensors (detached views: loading into them fills the model; FSDP2 shards stay
+    DTensors). The one definition of a LoRA run's state for checkpoints, validation and exports.
+
+    Never ``module.state_dict()``: a frozen quantized layer puts its quantization state there
+    (fp8 ``weight_scale`` buffers, bitsandbytes ``weight.absmax`` / ``weight.quant_state.*``, and
+    ``weight.SCB``, which an int8 layer has not even set before its first forward), none of which
+    trains and all of which the run rebuilds from the model file.
+    """
+    return {name: param.detach() for name, param in unwrap(model).named_parameters() if param.requires_grad}
+
+
 def full_state_dict(model: nn.Module, runtime: Runtime, trainable_only: bool) -> dict[str, torch.Tensor]:
     """CPU tensors of the trainable part of the model on the main process (small: LoRA adapters
-    for validation). Full weights are never gathered: exports stream from the DCP checkpoint."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
-    return get_model_state_dict(unwrap(model), options=options)
+    for validation), copies of the training ones; other processes get ``{}``. Full weights are
+    never gathered: exports stream from the DCP checkpoint."""
+    if not trainable_only:
+        raise ValueError("full_state_dict gathers the trainable part only; full weights stream from the DCP checkpoint")
+    # A DTensor (FSDP2) is gathered on every process (a collective), then kept on the main one.
+    state = {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).cpu().clone() for name, t in trainable_state(model).items()}
+    return state if runtime.is_main else {}

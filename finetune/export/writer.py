@@ -74,8 +74,8 @@ def _groups(path: Path, names: list[str], shapes: dict, dtype: torch.dtype | Non
 def export_lora(path: Path, out_dir: Path, state: dict, formats: list[str], trigger_words: list[str]) -> list[Path]:
     """LoRA files from a LoRA run's checkpoint (its model part holds only the adapters)."""
     shapes = model_tensors(path)
-    # The model part holds the adapters, plus small frozen buffers (e.g. fp8 row scales); a
-    # distillation's fake-score adapter is excluded by the run's export hints.
+    # The model part holds the trainable parameters only (older checkpoints also held frozen buffers,
+    # e.g. fp8 row scales); a distillation's fake-score adapter is excluded by the run's export hints.
     excluded = [f".{name}." for name in state.get("export", {}).get("exclude_adapters", [])]
     names = [n for n in shapes if ".lora_" in n and not any(e in n for e in excluded)]
     trainable = read_model_tensors(path, sorted(names), shapes)

@@ -1,0 +1,268 @@
+"""Every advertised LoRA base (``model.quantize: none | fp8 | int8 | nf4``) end to end, on a tiny
+random model in the original single-file layout, shaped so that ComfyUI's native loader can build
+its blocks (one 128-wide head, as ComfyUI's Krea 2 requires; 2 blocks; 0.7 M parameters).
+
+Per base: a real ``python -m finetune`` process trains with validation on (samples at step 4,
+after the step-4 checkpoint) and is killed with SIGKILL at step 7; ``--resume`` redoes steps 5-7
+with the same losses, validates again and exports the three LoRA files. The checkpoint holds the
+adapters and their optimizer state only (never a quantized layer's packed weight or quantization
+state), and so do the exports; they load in a plain bf16 pipeline, lower its loss on fixed noise
+like the bf16 base's LoRA does (measured outside the trainer), and load in a real ComfyUI's native
+``LoraLoaderModelOnly`` with no key left over, its patched weights equal to base + up @ down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from finetune.config import ConfigError, build_config
+from finetune.engine.checkpoint import latest_checkpoint
+from finetune.metrics import read_metrics
+from finetune.trainer import Trainer
+from krea2_diffusers.models.tiny import proportioned_transformer_config, save_random_original_file
+
+ROOT = Path(__file__).resolve().parents[1]
+BASES = ("none", "fp8", "int8", "nf4")
+MAX_STEPS, EVERY, KILL_AT = 12, 4, 7
+# What a quantized layer keeps besides its adapters: never in a checkpoint or an export.
+QUANT_STATE = re.compile(r"weight_scale|absmax|quant_map|quant_state|nested_|SCB|weight_format|\.base_layer\.")
+QUANTIZED_LAYER = {"fp8": "Fp8Linear", "int8": "Linear8bitLt", "nf4": "Linear4bit"}
+# Resident bytes of the frozen blocks / their float32 bytes (99.4% of them are linear weights).
+RESIDENT_SHARE = {"none": (0.49, 0.51), "fp8": (0.245, 0.27), "int8": (0.245, 0.27), "nf4": (0.12, 0.135)}
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def model_config(text_hidden_dim: int | None = None) -> dict:
+    """2 blocks of one 128-wide head, ComfyUI's SwiGLU width (int(2 * 128 / 3) * 4 rounded up to 128)
+    and time embedding width (256); the text fusion as wide as the tiny text encoder."""
+    config = proportioned_transformer_config(num_layers=2, heads=1, head_dim=128)
+    config.update(intermediate_size=384, timestep_embed_dim=256)
+    if text_hidden_dim is not None:  # ComfyUI's text fusion has 20 heads: its width is a multiple of 20
+        config.update(text_hidden_dim=text_hidden_dim, text_num_attention_heads=20, text_num_key_value_heads=20,
+                      text_intermediate_size=128)
+    return config
+
+
+def run_config(root: Path, model: Path, quantize: str) -> dict:
+    return {
+        "output_dir": str(root / quantize),
+        "model": {"pretrained_model_name_or_path": str(model), "text_encoder": "tiny-random", "vae": "tiny-random",
+                  "dtype": "bfloat16", "quantize": quantize},
+        "data": {"synthetic": {"num_prompts": 2, "size": 32}, "resolution": 32, "caption_dropout": 0.0,
+                 "cache_dir": str(root / "cache"), "num_workers": 0},
+        "training": {"method": "lora", "max_steps": MAX_STEPS, "batch_size": 2, "seed": 3},
+        "lora": {"rank": 8, "alpha": 8},
+        "optimizer": {"learning_rate": 4e-3},
+        "checkpointing": {"every_n_steps": EVERY, "keep_last": 1},
+        "validation": {"prompts": ["red"], "num_inference_steps": 2, "guidance_scale": 3.5, "height": 32, "width": 32,
+                       "every_n_steps": EVERY},
+        "logging": {"progress_bar": False, "tensorboard": False},
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``runs(quantize)`` -> (trainer, killed run's metrics rows, last checkpoint step at the kill,
+    resumed result). All four bases are killed by one worker process (one interpreter start, the
+    runs one after the other: the first fills the shared feature cache), then each resumes here on
+    first use."""
+    root = tmp_path_factory.mktemp("bases")
+    model = root / "krea2_tiny_comfy.safetensors"
+    save_random_original_file(model, model_config(), seed=0)
+    paths = []
+    for quantize in BASES:
+        path = root / f"{quantize}.yaml"
+        path.write_text(yaml.safe_dump(run_config(root, model, quantize)))
+        paths.append(str(path))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "sigkill_runs.py"), str(KILL_AT), *paths], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    killed = {}
+    for line, quantize in zip(done.stdout.splitlines(), BASES):
+        report = json.loads(line)
+        out = root / quantize
+        assert report["signal"] == 9, f"{quantize}: the run was not killed mid-run: {report}\n{done.stderr[-3000:]}"
+        rows = read_metrics(out)
+        last = latest_checkpoint(out / "checkpoints")
+        killed[quantize] = (rows, int(last.name.split("-")[1]) if last else 0)
+    cache = {}
+
+    def get(quantize: str):
+        if quantize not in cache:
+            trainer = Trainer(build_config(run_config(root, model, quantize)), resume=True)
+            cache[quantize] = (trainer, *killed[quantize], trainer.train())
+        return cache[quantize]
+
+    get.model = model
+    get.root = root
+    return get
+
+
+@pytest.mark.parametrize("quantize", BASES)
+def test_lora_base_trains_checkpoints_resumes_after_kill_9_validates_and_exports(runs, quantize):
+    trainer, killed_rows, checkpoint_step, result = runs(quantize)
+    out = result.output_dir
+    blocks = trainer.pipe.transformer.transformer_blocks
+    if quantize != "none":
+        assert QUANTIZED_LAYER[quantize] in {type(m).__name__ for m in blocks.modules()}
+    # The frozen blocks' resident bytes against their float32 size in the file: bf16 half, fp8 and int8
+    # a byte per weight (+ a float32 scale per row, bf16 norms), nf4 half a byte (bitsandbytes keeps
+    # absmax / SCB outside the parameters: packed weights are what is counted there).
+    resident = sum(t.numel() * t.element_size() for t in [*blocks.parameters(), *blocks.buffers()] if not t.requires_grad)
+    with safe_open(str(runs.model), "pt") as f:
+        fp32 = sum(4 * int(np.prod(f.get_slice(k).get_shape()))
+                   for k in f.keys() if k.startswith("blocks."))
+    low, high = RESIDENT_SHARE[quantize]
+    assert low < resident / fp32 < high, (quantize, resident / fp32)
+    # kill -9 after step 7: the step-4 checkpoint is resumed and steps 5-7 come out the same.
+    assert checkpoint_step == EVERY and len(killed_rows) >= KILL_AT > checkpoint_step
+    assert not result.interrupted and result.final_step == MAX_STEPS
+    resumed = {r["step"]: r["loss"] for r in read_metrics(out)}
+    assert sorted(resumed) == list(range(1, MAX_STEPS + 1))
+    redone = [r for r in killed_rows if r["step"] > checkpoint_step]
+    assert len(redone) >= KILL_AT - EVERY
+    torch.testing.assert_close(torch.tensor([resumed[r["step"]] for r in redone]), torch.tensor([r["loss"] for r in redone]),
+                               rtol=1e-5, atol=1e-6)
+
+    # Validation with the quantized base: samples from the killed run (step 4) and the resumed one.
+    for step in (EVERY, MAX_STEPS):
+        image = np.asarray(Image.open(out / "samples" / f"step-{step:06d}" / "raw-00.png")).astype(float)
+        assert image.shape == (32, 32, 3) and image.std() > 0
+
+    # The checkpoint: the adapters and their optimizer state, nothing of the frozen base.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    checkpoint = latest_checkpoint(out / "checkpoints")
+    keys = [k for k in FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+            if k.startswith(("model.", "optimizer.state."))]
+    model_keys = [k for k in keys if k.startswith("model.")]
+    assert model_keys and all(".lora_" in k and not QUANT_STATE.search(k) for k in keys), keys
+    targets = [n for n, p in trainer.pipe.transformer.named_parameters() if p.requires_grad]
+    assert sorted(k.removeprefix("model.") for k in model_keys) == sorted(targets)
+
+    # The exports: three files, adapters only, one pair per adapted layer.
+    assert sorted(p.name for p in result.exported) == ["lora_comfyui.safetensors", "lora_diffusers.safetensors",
+                                                        "lora_kohya.safetensors"]
+    for path in result.exported:
+        tensors = load_file(str(path))
+        assert not [k for k in tensors if QUANT_STATE.search(k)]
+        assert len([k for k in tensors if not k.endswith(".alpha")]) == len(targets)
+
+
+def _fixed_batch_loss(pipe, trainer: Trainer, lora_file: Path | None) -> float:
+    """Flow-matching loss of a plain bf16 pipeline (optionally with a LoRA file loaded) on fixed
+    noise and times over the training samples: measured outside the trainer."""
+    from finetune.objective import add_noise, flow_matching_loss
+
+    if lora_file is not None:
+        pipe.load_lora_weights(lora_file, adapter_name="trained")
+    generator = torch.Generator().manual_seed(123)
+    losses = []
+    with torch.no_grad():
+        for step in range(2):
+            batch = trainer.forward_batch(step)
+            noise = torch.randn(batch["x0"].shape, generator=generator)
+            t = torch.full((batch["x0"].shape[0],), 0.5)
+            pred = pipe.transformer(hidden_states=add_noise(batch["x0"], noise, t).bfloat16(),
+                                    encoder_hidden_states=batch["embeds"].bfloat16(), timestep=t,
+                                    position_ids=batch["positions"], encoder_attention_mask=batch["mask"], return_dict=False)[0]
+            losses.append(float(flow_matching_loss(pred, batch["x0"], noise, t)))
+    if lora_file is not None:
+        pipe.unload_lora_weights()
+    return sum(losses) / len(losses)
+
+
+@pytest.fixture(scope="module")
+def bf16_pipe(runs):
+    from krea2_diffusers import Krea2Pipeline
+
+    return Krea2Pipeline.from_single_file(str(runs.model), text_encoder="tiny-random", vae="tiny-random",
+                                          torch_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("quantize", BASES)
+def test_lora_of_each_base_loads_and_learns_in_a_plain_bf16_pipeline(runs, bf16_pipe, quantize):
+    trainer, *_, result = runs(quantize)
+    reference = runs("none")[-1].output_dir / "lora_diffusers.safetensors"
+    before = _fixed_batch_loss(bf16_pipe, trainer, None)
+    after = {path.name: _fixed_batch_loss(bf16_pipe, trainer, path) for path in result.exported}
+    bf16 = _fixed_batch_loss(bf16_pipe, trainer, reference)
+    print(f"{quantize}: loss without LoRA {before:.4f}, with {after}, with the bf16 base's {bf16:.4f}")
+    assert max(after.values()) - min(after.values()) < 1e-2 * before  # the three files are the same LoRA
+    for loss in after.values():
+        assert loss < 0.9 * before, (before, after)
+        assert abs(loss - bf16) < 0.15 * (before - bf16), (before, after, bf16)
+
+
+@pytest.mark.parametrize("quantize", BASES)
+def test_lora_of_each_base_loads_in_real_comfyuis_native_lora_loader(runs, comfyui, quantize):
+    """ComfyUI builds its model from a file with our blocks' shapes (its text fusion is 40 wide, a
+    multiple of its 20 text heads; no LoRA touches it), patches it with each exported file in
+    ``LoraLoaderModelOnly`` and writes the patched weights with ``ModelSave``."""
+    from krea2_diffusers.loaders.convert import diffusers_module_to_original
+
+    *_, result = runs(quantize)
+    models = comfyui.base / "models"
+    base_name = "krea2_tiny_comfy.safetensors"
+    if not (models / "diffusion_models" / base_name).exists():
+        save_random_original_file(models / "diffusion_models" / base_name, model_config(text_hidden_dim=40), seed=1)
+    graph = {"base": {"class_type": "UNETLoader", "inputs": {"unet_name": base_name, "weight_dtype": "default"}}}
+    for path in result.exported:
+        name = f"{quantize}_{path.name}"
+        (models / "loras" / name).write_bytes(path.read_bytes())
+        graph[f"lora-{name}"] = {"class_type": "LoraLoaderModelOnly",
+                                 "inputs": {"model": ["base", 0], "lora_name": name, "strength_model": 1.0}}
+        graph[f"save-{name}"] = {"class_type": "ModelSave",
+                                 "inputs": {"model": [f"lora-{name}", 0], "filename_prefix": f"patched/{quantize}_{path.stem}"}}
+    log_start = len(comfyui.output())
+    comfyui.run(graph)
+    log = comfyui.output()[log_start:]
+    assert "lora key not loaded" not in log, log[-3000:]
+
+    base = load_file(str(models / "diffusion_models" / base_name))
+    lora = load_file(str(result.output_dir / "lora_diffusers.safetensors"))
+    modules = sorted(k.removeprefix("transformer.").removesuffix(".lora_A.weight") for k in lora if k.endswith(".lora_A.weight"))
+    for path in result.exported:
+        (saved,) = (comfyui.base / "output" / "patched").glob(f"{quantize}_{path.stem}_*.safetensors")
+        patched = {k.removeprefix("model.diffusion_model."): v for k, v in load_file(str(saved)).items()}
+        changed = {k for k in base if not torch.equal(patched[k], base[k])}
+        expected = {diffusers_module_to_original(m) + ".weight" for m in modules}
+        assert changed == expected, (path.name, sorted(changed ^ expected)[:5])
+        for module in modules:
+            key = diffusers_module_to_original(module) + ".weight"
+            up = lora[f"transformer.{module}.lora_B.weight"].double()
+            down = lora[f"transformer.{module}.lora_A.weight"].double()
+            # float32 weights: ComfyUI adds the float32 product to the float32 weight (one rounding each)
+            torch.testing.assert_close(patched[key].double(), base[key].double() + up @ down, rtol=1e-6, atol=1e-6)
+
+
+def test_bitsandbytes_missing_is_an_error_before_any_model_loads(tmp_path, monkeypatch):
+    import finetune.model
+    from finetune.cli import main
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before bitsandbytes was checked")
+
+    monkeypatch.setattr(finetune.model, "load_pipeline", no_model)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` raises ImportError
+    config = run_config(tmp_path, Path("unused.safetensors"), "nf4")
+    with pytest.raises(ConfigError, match=r"model.quantize='nf4': bitsandbytes needs to be installed .*import of bitsandbytes halted"):
+        Trainer(build_config(config))
+    path = tmp_path / "int8.yaml"
+    path.write_text(yaml.safe_dump(run_config(tmp_path, Path("unused.safetensors"), "int8")))
+    assert main([str(path)]) == 2
+    assert not (tmp_path / "int8").exists()
