@@ -36,24 +36,34 @@ class Validator:
         ).images
 
     def run(self, model: torch.nn.Module, step: int, metrics, lora_layers=None) -> list[Path]:
-        """Every process must call this (FSDP gathers parameters collectively); the main one saves."""
-        v = self.config.validation
-        model.eval()
-        encoders = [self.pipe.text_encoder, self.pipe.vae]
-        homes = [next(m.parameters()).device for m in encoders]
-        for module in encoders:
-            module.to(self.runtime.device)  # offloaded during training on GPUs
-        try:
-            with torch.no_grad(), gathered(model, self.runtime):
-                images = {"raw": self._sample(self.pipe, v.num_inference_steps, v.guidance_scale)}
-            if lora_layers is not None and self.config.model.turbo_model_name_or_path:
-                images["turbo"] = self._sample(self._turbo_with(lora_layers), v.turbo_num_inference_steps, 0.0)
-        finally:
-            model.train()
-            for module, home in zip(encoders, homes):
-                module.to(home)
+        """Every process must call this, at the same step; the main one samples and saves.
+
+        A sharded model (FSDP) gathers its parameters collectively, so there every process runs
+        the same RAW sampling in lockstep (same prompts, same seeds) and all but the main one drop
+        their images. Otherwise (one process, DDP) and for the Turbo sample, only the main process
+        samples while the others wait at a barrier. ``lora_layers``: the trained adapter, gathered
+        by every process (a collective under FSDP) but whole on the main one only.
+        """
+        v, runtime = self.config.validation, self.runtime
+        samples = runtime.is_main or runtime.strategy == "fsdp"
+        images = {}
+        if samples:
+            model.eval()
+            encoders = [self.pipe.text_encoder, self.pipe.vae]
+            homes = [next(m.parameters()).device for m in encoders]
+            for module in encoders:
+                module.to(runtime.device)  # offloaded during training on GPUs
+            try:
+                with torch.no_grad(), gathered(model, runtime):
+                    images["raw"] = self._sample(self.pipe, v.num_inference_steps, v.guidance_scale)
+                if runtime.is_main and lora_layers is not None and self.config.model.turbo_model_name_or_path:
+                    images["turbo"] = self._sample(self._turbo_with(lora_layers), v.turbo_num_inference_steps, 0.0)
+            finally:
+                model.train()
+                for module, home in zip(encoders, homes):
+                    module.to(home)
         saved = []
-        if self.runtime.is_main:
+        if runtime.is_main:
             folder = self.out_dir / "samples" / f"step-{step:06d}"
             folder.mkdir(parents=True, exist_ok=True)
             for kind, batch in images.items():
@@ -62,6 +72,7 @@ class Validator:
                     image.save(path)
                     saved.append(path)
                 metrics.add_images(f"samples/{kind}", batch, step)
+        runtime.barrier()
         return saved
 
     def _turbo_with(self, lora_layers):

@@ -1,12 +1,27 @@
-"""Two real processes (torchrun, gloo on CPU) give the same training as one process with the same
-global batch: FSDP2 for a full fine-tune, DDP for LoRA (with 4 accumulated micro-batches per
-step, which communicate once: a DDP communication hook counts the gradient all-reduces)."""
+"""Two real processes (torchrun or ``accelerate launch``, gloo on CPU) give the same training as one
+process with the same global batch: FSDP2 for a full fine-tune, DDP for LoRA; validation (RAW and,
+for LoRA, Turbo with the adapter) on, samples written once; a rank killed with SIGKILL ends the job,
+and ``--resume`` on 2 processes recomputes the same losses.
+
+Bound for 2 processes vs 1: the only difference is where float32 sums are split (each process sums
+its half of the global batch, then one all-reduce adds the halves), so per-sample losses agree to a
+few ulps and each gradient element to ``k * 2**-24 * sum|terms|`` (k: terms summed, a few hundred
+here). Adam divides each step by the running gradient scale, so after 4 steps of lr 1e-3 the weights
+agree to ~1e-4 relative; ``rtol=1e-4, atol=1e-5`` on weights (atol: 1% of one step) and ``1e-5`` on
+losses. A dropped or doubled contribution of one process changes losses and weights at ~1e-1.
+ LoRA runs 4 accumulated micro-batches per
+step, which communicate once: a DDP communication hook counts the gradient all-reduces.
+"""
 
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -15,7 +30,7 @@ from finetune.config import build_config
 from finetune.export.writer import model_tensors
 from finetune.metrics import read_metrics
 from finetune.trainer import train
-from launcher import launch
+from launcher import ROOT, command, launch
 
 STEPS = 4
 
@@ -47,26 +62,44 @@ sys.exit(main())
 '''
 
 
-def _config(out: Path, cache: Path, method: str, batch_size: int, accumulation: int = 1) -> dict:
+LORA_FILES = ["lora_comfyui.safetensors", "lora_diffusers.safetensors", "lora_kohya.safetensors"]
+
+
+def _config(out: Path, cache: Path, method: str, batch_size: int, max_steps: int = STEPS, accumulation: int = 1) -> dict:
+    lora = method == "lora"
     return {
         "output_dir": str(out),
+        # Turbo: the same tiny model; validation samples it with the trained adapter (main process only).
+        "model": {"pretrained_model_name_or_path": "tiny-random", **({"turbo_model_name_or_path": "tiny-random"} if lora else {})},
         "data": {"synthetic": {"num_prompts": 3, "size": 64}, "resolution": 64, "caption_dropout": 0.5, "cache_dir": str(cache)},
-        "training": {"method": method, "max_steps": STEPS, "batch_size": batch_size, "seed": 3,
+        "training": {"method": method, "max_steps": max_steps, "batch_size": batch_size, "seed": 3,
                      "gradient_accumulation_steps": accumulation},
         "lora": {"rank": 4, "alpha": 4},
         "optimizer": {"learning_rate": 1e-3, "max_grad_norm": 0.5},  # clipping needs the global norm
         "lr_scheduler": {"name": "cosine", "warmup_steps": 1},
         "parallel": {"strategy": "auto"},  # FSDP2 for full, DDP for LoRA
-        "checkpointing": {"every_n_steps": 2, "keep_last": 1},
+        "checkpointing": {"every_n_steps": 2 if max_steps == 4 else 3, "keep_last": 1},
         # Sampling a sharded model needs every process (FSDP gathers parameters collectively).
-        "validation": {"every_n_steps": 4, "prompts": ["red"], "num_inference_steps": 2, "guidance_scale": 2.0,
-                       "height": 64, "width": 64},
-        "export": {"formats": ["diffusers"]},
+        "validation": {"every_n_steps": 0, "prompts": ["red"], "num_inference_steps": 2, "guidance_scale": 2.0,
+                       "turbo_num_inference_steps": 2, "height": 64, "width": 64},
+        "export": {"formats": ["diffusers", "comfyui", "kohya"] if lora else ["diffusers"]},
         "logging": {"progress_bar": False, "tensorboard": False},
     }
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _samples(out: Path) -> list[str]:
+    return sorted(str(p.relative_to(out / "samples")) for p in (out / "samples").rglob("*") if p.is_file())
+
+
+def _assert_same_files(two: Path, one: Path, names: list[str]) -> None:
+    for name in names:
+        weights_two, weights_one = load_file(str(two / name)), load_file(str(one / name))
+        assert weights_two.keys() == weights_one.keys(), name
+        for key in weights_one:
+            torch.testing.assert_close(weights_two[key], weights_one[key], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {key}: {m}")
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])
@@ -85,16 +118,70 @@ def test_two_processes_equal_one(tmp_path, method):
             assert set(calls) == {0} and len(calls) == STEPS, (rank, calls)  # not STEPS * accumulation
 
     two, one = read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")
-    assert [r["step"] for r in two] == [1, 2, 3, 4]
+    assert [r["step"] for r in two] == list(range(1, STEPS + 1))
     torch.testing.assert_close(torch.tensor([r["loss"] for r in two]), torch.tensor([r["loss"] for r in one]), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(torch.tensor([r["grad_norm"] for r in two]), torch.tensor([r["grad_norm"] for r in one]), rtol=1e-4, atol=1e-6)
-    name = "transformer/diffusion_pytorch_model.safetensors" if method == "full" else "lora_diffusers.safetensors"
-    weights_two, weights_one = load_file(str(tmp_path / "two" / name)), load_file(str(tmp_path / "one" / name))
-    assert weights_two.keys() == weights_one.keys()
-    for key in weights_one:
-        torch.testing.assert_close(weights_two[key], weights_one[key], rtol=1e-4, atol=1e-5)
-    assert (tmp_path / "two" / "samples" / "step-000004" / "raw-00.png").is_file()
+    _assert_same_files(tmp_path / "two", tmp_path / "one",
+                       ["transformer/diffusion_pytorch_model.safetensors"] if method == "full" else LORA_FILES)
+    # The end-of-run validation, written once (by the main process): one folder, one file per kind.
+    expected = ["step-000004/raw-00.png"] + (["step-000004/turbo-00.png"] if method == "lora" else [])
+    assert _samples(tmp_path / "two") == _samples(tmp_path / "one") == expected
     # A DCP checkpoint: every process wrote its own shard file; same tensors as the 1-process run's.
     folder = tmp_path / "two" / "checkpoints" / "step-4"
     assert sorted(p.name for p in folder.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert model_tensors(folder) == model_tensors(tmp_path / "one" / "checkpoints" / "step-4")
+
+
+MAX_STEPS, KILL_AFTER, ENDS_WITHIN = 6, 4, 90
+
+
+def _rank(launcher_pid: int, rank: int) -> psutil.Process:
+    for child in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            if child.environ().get("RANK") == str(rank):
+                return child
+        except psutil.Error:  # a helper process that ended meanwhile
+            continue
+    raise AssertionError(f"no process of rank {rank} under the launcher")
+
+
+def test_kill_9_of_rank_1_ends_the_job_and_resume_on_2_processes_with_accelerate(tmp_path):
+    """torchrun: SIGKILL rank 1 once step 4 is logged (after the step-3 checkpoint); the launcher
+    must end the job (non-zero) within ``ENDS_WITHIN`` s, not hang. ``accelerate launch`` on 2
+    processes then resumes from step 3: the steps logged past the checkpoint come out the same
+    (``rtol=1e-5``: the same processes, the same sums), and the run finishes with validation and
+    exports."""
+    out = tmp_path / "run"
+    config = _config(out, tmp_path / "cache", "lora", batch_size=1, max_steps=MAX_STEPS)
+    argv, env = command(config, tmp_path, 2, ["-m", "finetune"])
+    job = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 600
+        metrics = out / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= KILL_AFTER):
+            assert job.poll() is None, f"the job ended before step {KILL_AFTER}:\n{job.stdout.read()[-3000:]}"
+            assert time.time() < deadline, f"no step {KILL_AFTER} within 600 s"
+            time.sleep(0.005)
+        _rank(job.pid, 1).send_signal(signal.SIGKILL)
+        killed_at = time.time()
+        job.wait(timeout=ENDS_WITHIN)
+        ended_after = time.time() - killed_at
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode != 0, "a job that lost a rank must not report success"
+    print(f"job ended {ended_after:.1f} s after rank 1 was killed")
+    killed = read_metrics(out)
+    assert KILL_AFTER <= len(killed) < MAX_STEPS and not (out / "samples").exists()
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-3"]
+
+    done = launch(config, tmp_path, 2, ["-m", "finetune"], "--resume", launcher="accelerate")
+    assert "2 process(es), strategy ddp" in done.stdout + done.stderr
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, MAX_STEPS + 1))
+    for before in killed:  # steps 4.. were lost with the kill and computed again
+        after = rows[before["step"] - 1]
+        for key in ("loss", "grad_norm", "lr"):
+            assert after[key] == pytest.approx(before[key], rel=1e-5), (before["step"], key)
+    assert _samples(out) == [f"step-{MAX_STEPS:06d}/raw-00.png", f"step-{MAX_STEPS:06d}/turbo-00.png"]
+    assert all((out / name).is_file() for name in LORA_FILES)

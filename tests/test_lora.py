@@ -7,7 +7,7 @@ from safetensors.torch import save_file
 
 from krea2_diffusers import Krea2Transformer2DModel
 from krea2_diffusers.latents import position_ids
-from krea2_diffusers.loaders.lora import (FORMATS, LoraFormatError, LoraLayer, detect_format, load_lora_into_transformer,
+from krea2_diffusers.loaders.lora import (FORMATS, LoraFormatError, LoraLayer, apply_lora_layers, detect_format, load_lora_into_transformer,
                                   lora_layers_from_peft, lora_metadata, read_lora_file, save_lora_file, set_lora_strength)
 from krea2_diffusers.models.tiny import tiny_transformer_config
 
@@ -129,6 +129,9 @@ def test_bad_files_fail_naming_the_key(base_state, tmp_path):
     torch.save(good, pickled)
     with pytest.raises(LoraFormatError, match="only .safetensors"):
         load_lora_into_transformer(model, pickled)
+    # What a process without the gathered adapter would hold (issue 22): refused, never an empty adapter.
+    with pytest.raises(LoraFormatError, match="no LoRA layers to apply as adapter 'validation'"):
+        apply_lora_layers(model, {}, adapter_name="validation")
     assert not getattr(model, "peft_config", None)  # nothing half-applied
 
 

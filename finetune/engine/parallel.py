@@ -98,11 +98,14 @@ def prepare_blocks(blocks: list[nn.Module], activation_checkpointing: str, compi
 
 
 def wrap_model(model: nn.Module, blocks: list[nn.Module], runtime: Runtime, *, activation_checkpointing: str,
-               compile: bool, mixed_precision: str, offloaded_blocks: int = 0) -> nn.Module:
+               compile: bool, mixed_precision: str, offloaded_blocks: int = 0,
+               find_unused_parameters: bool = False) -> nn.Module:
     """Checkpointing -> compile -> DDP/FSDP2 for an already materialised model. Returns the module to call.
 
     ``offloaded_blocks``: the last N blocks keep their frozen weights on the CPU (block swap, see
-    ``offload``); everything else goes to the device.
+    ``offload``); everything else goes to the device. ``find_unused_parameters`` (DDP): a backward
+    may reach only part of the trained parameters (e.g. one of two adapters); the others keep no
+    gradient on every process instead of DDP waiting for theirs.
     """
     prepare_blocks(blocks, activation_checkpointing, compile)
     offloader = None
@@ -121,6 +124,10 @@ def wrap_model(model: nn.Module, blocks: list[nn.Module], runtime: Runtime, *, a
         if offloader is not None:
             # DDP broadcasts every parameter at start-up; the offloaded frozen ones live on the CPU.
             nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, offloader.names(model))
+        if find_unused_parameters:  # one model per process: the accelerator's DDP arguments are this model's
+            from accelerate.utils import DistributedDataParallelKwargs
+
+            runtime.accelerator.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
         return runtime.accelerator.prepare_model(model, device_placement=offloader is None)
     return model if offloader is not None else model.to(runtime.device)
 

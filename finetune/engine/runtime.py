@@ -46,6 +46,15 @@ class Runtime:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return float(tensor.item())
 
+    def means(self, values: dict[str, float]) -> dict[str, float]:
+        """Average each float over processes in one all-reduce (per-process means of equally many
+        samples -> the global batch's means, for logging)."""
+        if self.world_size == 1 or not values:
+            return dict(values)
+        tensor = torch.tensor(list(values.values()), dtype=torch.float64, device=self.device if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return dict(zip(values, (tensor / self.world_size).tolist()))
+
     def any(self, flag: bool) -> bool:
         """True on every process when ``flag`` is true on any (e.g. a stop request)."""
         if self.world_size == 1:

@@ -213,6 +213,7 @@ class DPOTrainer(PosttrainTrainer):
                 stats[key] = stats.get(key, 0.0) + value / accumulation
         grad_norm = self.optimizer_step()
         self.lr_scheduler.step()
+        stats = runtime.means(stats)  # each process's pairs -> the global batch's
         if self.eval_due(step, section.eval_every_n_steps):
             stats.update(self.heldout_statistics())
         self.extra_metrics = stats

@@ -109,8 +109,9 @@ class GRPOTrainer(PosttrainTrainer):
         explore = list(range(start, start + window))
         channels = self.pipe.transformer.config.in_channels
         noise = initial_noise(len(global_ids) * group, channels, self.size, self.size, generator)
-        noise = noise[runtime.rank * per_rank * group:(runtime.rank + 1) * per_rank * group]
-        sde_generator = self.generator(f"sde-{step}-slot{mine.start}")
+        rows = slice(runtime.rank * per_rank * group, (runtime.rank + 1) * per_rank * group)
+        noise = noise[rows]
+        sde_generator = self.generator(f"sde-{step}")  # the global batch's: the same on any number of processes
 
         # 1. Rollouts with the current weights, and their rewards.
         # Every forward (rollout, updates, reference) under the run's one precision policy: the
@@ -120,7 +121,7 @@ class GRPOTrainer(PosttrainTrainer):
             text = text_inputs(self.model, embeds, mask, self.size, self.size, reuse=self.reuse_text)
             self.model.eval()
             rollout = sde_rollout(self.model, text, noise.to(runtime.device), self.times, explore, section.noise_level,
-                                  sde_generator)
+                                  sde_generator, rows, len(global_ids) * group)
             self.model.train()
         prompts = [self.prompts[i] for i in prompt_ids for _ in range(group)]
         metadata = [{"prompt_index": i, "step": step + 1, "sample": k} for i in prompt_ids for k in range(group)]
@@ -162,9 +163,11 @@ class GRPOTrainer(PosttrainTrainer):
             grad_norm = self.optimizer_step()
         self.lr_scheduler.step()
 
+        # Means over the global batch (every process has as many samples), as one process logs them.
+        stats = runtime.means(stats)
         stats["reward_mean"] = float(self._gather(total.float()).mean())
-        stats["reward_std"] = float(total.std(unbiased=False))
-        stats.update({f"reward/{name}": float(values.mean()) for name, values in raw.items()})
+        stats["reward_std"] = float(self._gather(total.float()).std(unbiased=False))
+        stats.update({f"reward/{name}": float(self._gather(values.float()).mean()) for name, values in raw.items()})
         stats.update(self.pool.summary())
         if self.eval_due(step, section.eval_every_n_steps):
             stats["eval/reward_mean"] = self.evaluate()

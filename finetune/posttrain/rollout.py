@@ -77,13 +77,16 @@ def text_inputs(model, embeds: torch.Tensor, mask: torch.Tensor, height: int, wi
 
 @torch.no_grad()
 def sde_rollout(model, text: dict, noise: torch.Tensor, times: list[float], explore: list[int], noise_level: float,
-                generator: torch.Generator) -> Rollout:
+                generator: torch.Generator, rows: slice | None = None, total: int | None = None) -> Rollout:
     """Sample without guidance from ``noise`` (B, N, C); steps in ``explore`` use the SDE.
 
     Args:
         text: :func:`text_inputs`, one row per sample.
         times: :func:`schedule`; explore: sorted step indices.
         generator: the SDE's noise (CPU), drawn step by step in order.
+        rows, total: these samples are rows ``rows`` of a global batch of ``total`` split over
+            processes; each step draws the whole batch's noise and keeps these rows, so a sample's
+            noise does not depend on the number of processes.
     """
     t_cap = times[1]  # the SDE's diffusion diverges at t = 1: the first step uses the second time's
     latents = noise.float()
@@ -92,7 +95,8 @@ def sde_rollout(model, text: dict, noise: torch.Tensor, times: list[float], expl
         t, t_next = times[i], times[i + 1]
         v = velocity(model, latents, t, text)
         if i in explore:
-            step_noise = torch.randn(latents.shape, generator=generator).to(latents.device)
+            shape = latents.shape if total is None else (total, *latents.shape[1:])
+            step_noise = torch.randn(shape, generator=generator)[rows or slice(None)].to(latents.device)
             following, mean, std = sampling.sde_step(latents, v, t, t_next, noise_level, noise=step_noise, t_cap=t_cap)
             states.append(latents)
             next_states.append(following)

@@ -108,6 +108,7 @@ def dmd_student_loss(x0_hat: torch.Tensor, x0_fake: torch.Tensor, x0_teacher: to
 
 
 class DistillTrainer(PosttrainTrainer):
+    partial_backward = True  # LoRA: the fake score's updates reach its adapter only, the student's update the student's
     @classmethod
     def model_copies(cls, config):
         """Full: student + fake score trained (master + optimizer state each), teacher frozen.

@@ -34,6 +34,8 @@ logger = logging.getLogger("finetune")
 
 class PosttrainTrainer(Trainer):
     config: PosttrainConfig
+    # LoRA on several processes: True where a backward reaches only some adapters (DDP must not wait for the rest).
+    partial_backward = False
 
     # ---------------------------------------------------------------- hooks
     @classmethod
@@ -117,7 +119,8 @@ class PosttrainTrainer(Trainer):
             module = self.trainable_module(self.pipe.transformer)
             module.train()
             self.model = wrap_model(module, self.trained_blocks(module), runtime, activation_checkpointing=t.activation_checkpointing,
-                                    compile=t.compile, mixed_precision=t.mixed_precision, offloaded_blocks=t.offload_blocks)
+                                    compile=t.compile, mixed_precision=t.mixed_precision, offloaded_blocks=t.offload_blocks,
+                                    find_unused_parameters=self.partial_backward)
             return
         from ..model import build_sharded_transformer
 

@@ -239,6 +239,8 @@ def apply_lora_layers(transformer: nn.Module, layers: Mapping[str, LoraLayer], a
     from peft import LoraConfig
     from peft.utils import set_peft_model_state_dict
 
+    if not layers:
+        raise LoraFormatError(f"no LoRA layers to apply as adapter {adapter_name!r} (an empty state dict?)")
     name = _unique_adapter_name(transformer, adapter_name)
     folded = {m: layer.folded() for m, layer in layers.items()}
     ranks = Counter(layer.rank for layer in folded.values())
