@@ -92,7 +92,12 @@ def bf16_trainer(tmp_path_factory):
     config = draft_config(tmp_path_factory.mktemp("draft") / "run", draft_k=2, draft_lv=True, guidance=1.0)
     trainer = trainer_for(build_config(config, cls=PosttrainConfig))
     trainer.runtime.autocast = bf16_autocast
-    trainer.setup()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the one_thread fixture does for each test (it cannot serve a module fixture)
+    try:
+        trainer.setup()
+    finally:
+        torch.set_num_threads(threads)
     return trainer
 
 
