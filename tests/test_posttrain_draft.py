@@ -181,3 +181,21 @@ def test_an_unimportable_reward_is_refused_before_any_model_loads(tmp_path, monk
                        ({"rewards": []}, "draft.rewards is empty"), ({"rewards": [{"function": "nocolon"}]}, "package.module:function")]:
         with pytest.raises(ConfigError, match=match):
             build_config(draft_config(tmp_path / "run", **bad), cls=PosttrainConfig)
+
+
+def test_full_weights_draft_with_lv_and_cfg_trains_and_exports_the_original_file(tmp_path):
+    """Full weights (1 process here; the sharded engine's build is the other methods' own) with
+    draft_k 2, LV and CFG: the step runs, the base comparison is reported, the file is exported."""
+    from safetensors import safe_open
+
+    config = draft_config(tmp_path / "run", training={"method": "full", "max_steps": 2}, draft_k=2, draft_lv=True,
+                          guidance=1.0, resolution=32, eval_every_n_steps=2)
+    config["optimizer"]["learning_rate"] = 1.0e-3
+    config["export"] = {"formats": ["original"]}
+    result = posttrain(build_config(config, cls=PosttrainConfig))
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2] and all("reward_lv_mean" in r for r in rows)
+    assert rows[-1]["eval/reward_vs_base"] != 0.0, "two full-weight updates move the samples away from the base's"
+    exported = result.output_dir / "krea2_original.safetensors"
+    with safe_open(exported, "pt") as f:
+        assert len(list(f.keys())) > 10
