@@ -166,13 +166,7 @@ def test_a_bad_reward_stops_the_step_with_one_line_naming_it(bf16_trainer, name,
     assert f"'posttrain_rewards:{name}'" in text and message in text and "\n" not in text
 
 
-def test_an_unimportable_reward_is_refused_before_any_model_loads(tmp_path, monkeypatch):
-    import finetune.model
-
-    def no_loading(*args, **kwargs):
-        raise AssertionError("a model was loaded")
-
-    monkeypatch.setattr(finetune.model, "load_pipeline", no_loading)
+def test_an_unimportable_reward_is_refused_before_any_model_loads(tmp_path, no_model_loading):
     config = build_config(draft_config(tmp_path / "run", reward="no_such_module_y:reward"), cls=PosttrainConfig)
     with pytest.raises(ConfigError, match="no_such_module_y"):
         trainer_for(config).setup()

@@ -46,11 +46,8 @@ def score_images(rewards: list[Reward], images: torch.Tensor, prompts: list[str]
     keep = torch.ones(n, dtype=torch.bool, device=images.device)
     raw = {}
     for reward in rewards:
-        where = f"reward {reward.name!r} on prompts {sorted(set(prompts))}"
-        try:
-            values = reward.function(images, prompts, metadata)
-        except Exception as err:
-            raise RewardError(f"{where} raised {type(err).__name__}: {err}") from err
+        where = reward.label(prompts)
+        values = reward.call(images, prompts, metadata)
         if not isinstance(values, torch.Tensor):
             raise RewardError(f"{where} must return a tensor of {n} values, got {type(values).__name__}")
         if values.numel() != n:
