@@ -104,7 +104,7 @@ def bf16_trainer(tmp_path_factory):
 def test_under_bf16_a_zero_lora_samples_and_scores_exactly_like_the_base(bf16_trainer):
     trainer = bf16_trainer
     prompt_ids, noise, lv_noise = trainer.step_inputs(0)
-    text = trainer.text_inputs(prompt_ids)
+    text = trainer.conditioning(prompt_ids)
     latents, lv = trainer.sample(trainer.model, text, noise, lv_noise)  # the training path, with gradients
     base_latents, base_lv = trainer.sample(trainer.base, text, noise, lv_noise, grad=False)
     assert latents.requires_grad and lv.requires_grad
@@ -124,7 +124,7 @@ def test_under_bf16_a_zero_lora_samples_and_scores_exactly_like_the_base(bf16_tr
 def test_only_the_last_k_conditional_forwards_and_the_lv_step_carry_gradients(bf16_trainer):
     trainer = bf16_trainer
     prompt_ids, noise, lv_noise = trainer.step_inputs(0)
-    text = trainer.text_inputs(prompt_ids)
+    text = trainer.conditioning(prompt_ids)
     calls = []
 
     def recording(**inputs):

@@ -47,9 +47,9 @@ def _configs(tmp: Path) -> dict[str, dict]:
                  "grpo": {"prompts": ["a picture", "an image of a thing", "a third"], "group_size": 2, "num_inference_steps": 3,
                           "sde_steps": 2, "resolution": 32, "rewards": [{"function": "posttrain_rewards:brightness"}],
                           "eval_every_n_steps": 0, "pool": {"min_std": 0.0}}},
-        # DRaFT with every option on (draft_k 2, LV, CFG): the resumed steps redo the same samples.
+        # DRaFT with every option on (draft_k 2, LV, CFG, 2 accumulated forwards): the resumed steps redo the same samples.
         "draft": {**common, **lora, "output_dir": str(tmp / "draft"), "method": "draft",
-                  "training": {**lora["training"], "activation_checkpointing": "full"},
+                  "training": {**lora["training"], "activation_checkpointing": "full", "gradient_accumulation_steps": 2},
                   "draft": {"prompts": ["a picture", "an image of a thing", "a third"], "num_inference_steps": 4, "draft_k": 2,
                             "draft_lv": True, "guidance": 1.0, "resolution": 32, "eval_every_n_steps": 3,
                             "rewards": [{"function": "posttrain_rewards:redness"}]}},

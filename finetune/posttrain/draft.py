@@ -82,7 +82,7 @@ class DraftTrainer(PosttrainTrainer):
         """The base weights (:class:`.reference.Reference`) called like the transformer."""
         return (self.reference(self.model, **inputs),)
 
-    def text_inputs(self, prompt_ids: list[int]) -> tuple[dict, dict | None]:
+    def conditioning(self, prompt_ids: list[int]) -> tuple[dict, dict | None]:
         """The transformer's text arguments for the prompts and (with CFG) for the negative prompt."""
         def inputs(ids):
             embeds, mask = pad_conditioning([self.text[i][0] for i in ids], [self.text[i][1] for i in ids])
@@ -157,7 +157,7 @@ class DraftTrainer(PosttrainTrainer):
         for micro in range(accumulation):
             index = step * accumulation + micro
             prompt_ids, noise, lv_noise = self.step_inputs(index)
-            text = self.text_inputs(prompt_ids)
+            text = self.conditioning(prompt_ids)
             prompts = [self.prompts[i] for i in prompt_ids]
             metadata = [{"prompt_index": i, "step": step + 1, "sample": j} for j, i in enumerate(prompt_ids)]
             latents, lv = self.sample(self.model, text, noise, lv_noise)
@@ -193,7 +193,7 @@ class DraftTrainer(PosttrainTrainer):
         ids = [i for i in range(len(self.prompts)) for _ in range(section.eval_seeds)]
         noise = initial_noise(len(ids), self.pipe.transformer.config.in_channels, self.size, self.size,
                               self.generator(EVAL_SEED_INDEX)).to(self.runtime.device)
-        latents, _ = self.sample(forward, self.text_inputs(ids), noise, grad=False)
+        latents, _ = self.sample(forward, self.conditioning(ids), noise, grad=False)
         metadata = [{"prompt_index": i, "sample": j, "eval": True} for j, i in enumerate(ids)]
         total, _ = score_images(self.rewards, self.decode(latents), [self.prompts[i] for i in ids], metadata)
         return float(total.mean())
