@@ -48,7 +48,9 @@ class DPOConfig:
 class RewardConfig:
     function: str = ""
     """``package.module:function(images, prompts, metadata) -> list[float]``, or a built-in
-    (``krea2.vlm_rubric``, ``krea2.ocr``, ``krea2.clip``: see :mod:`finetune.posttrain.rewards`)."""
+    (``krea2.vlm_rubric``, ``krea2.ocr``, ``krea2.clip``: see :mod:`finetune.posttrain.rewards`).
+    DRaFT's are differentiable: a float tensor (B, 3, H, W) in [0, 1] in, a tensor (B,) out
+    (:mod:`finetune.posttrain.differentiable_rewards`)."""
     weight: float = 1.0
     gate: float | None = None
     """A raw value below the gate zeroes the sample's total reward (e.g. an artefact detector)."""

@@ -1,4 +1,5 @@
-"""Reward plug-ins for GRPO: ``package.module:function(images, prompts, metadata) -> list[float]``.
+"""Reward plug-ins for GRPO: ``package.module:function(images, prompts, metadata) -> list[float]``
+(DRaFT loads its differentiable ones here too and scores them in :mod:`.differentiable_rewards`).
 
 ``images`` is a list of PIL images, ``prompts`` a list of str, ``metadata`` a list of dicts
 (``prompt_index``, ``seed``, ``step``); one float per image comes back. A target that is a class
