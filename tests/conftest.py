@@ -37,6 +37,17 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Any model load fails the test (for checks that must refuse a config before loading)."""
+    import finetune.model
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(finetune.model, "load_pipeline", no_loading)
+
+
 @pytest.fixture(scope="session")
 def tiny_pipe() -> Krea2Pipeline:
     pipe = Krea2Pipeline.from_pretrained("tiny-random")

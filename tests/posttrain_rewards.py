@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 
 def brightness(images, prompts, metadata):
@@ -30,3 +31,27 @@ class Threshold:
 
     def __call__(self, images, prompts, metadata):
         return [1.0 if b > self.value else 0.0 for b in brightness(images, prompts, metadata)]
+
+
+# ---------------------------------------------------------------- differentiable (DRaFT): images (B, 3, H, W) in [0, 1]
+def redness(images, prompts, metadata):
+    """(B,) mean of red minus the mean of green and blue: pure torch, differentiable."""
+    red, green, blue = images.unbind(1)
+    return (red - (green + blue) / 2).flatten(1).mean(1)
+
+
+def detached_redness(images, prompts, metadata):
+    return redness(images.detach(), prompts, metadata)
+
+
+def unrelated_tensor(images, prompts, metadata):
+    """Requires grad, but through a parameter of its own, not the images."""
+    return torch.zeros(images.shape[0], requires_grad=True) * 2
+
+
+def redness_too_few(images, prompts, metadata):
+    return redness(images, prompts, metadata)[:-1]
+
+
+def redness_nan(images, prompts, metadata):
+    return redness(images, prompts, metadata) * float("nan")

@@ -72,13 +72,7 @@ def test_grpo_raises_the_reward_of_guidance_free_samples_and_reports_kl(tmp_path
     assert after > before + 5e-4
 
 
-def test_reward_module_that_cannot_be_imported_is_refused_before_any_model_loads(tmp_path, monkeypatch):
-    import finetune.model
-
-    def no_loading(*args, **kwargs):
-        raise AssertionError("a model was loaded")
-
-    monkeypatch.setattr(finetune.model, "load_pipeline", no_loading)
+def test_reward_module_that_cannot_be_imported_is_refused_before_any_model_loads(tmp_path, no_model_loading):
     config = build_config(grpo_config(tmp_path / "run", reward="no_such_module_x:reward"), cls=PosttrainConfig)
     with pytest.raises(ConfigError, match="no_such_module_x"):
         trainer_for(config).setup()

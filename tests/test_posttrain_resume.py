@@ -47,6 +47,12 @@ def _configs(tmp: Path) -> dict[str, dict]:
                  "grpo": {"prompts": ["a picture", "an image of a thing", "a third"], "group_size": 2, "num_inference_steps": 3,
                           "sde_steps": 2, "resolution": 32, "rewards": [{"function": "posttrain_rewards:brightness"}],
                           "eval_every_n_steps": 0, "pool": {"min_std": 0.0}}},
+        # DRaFT with every option on (draft_k 2, LV, CFG, 2 accumulated forwards): the resumed steps redo the same samples.
+        "draft": {**common, **lora, "output_dir": str(tmp / "draft"), "method": "draft",
+                  "training": {**lora["training"], "activation_checkpointing": "full", "gradient_accumulation_steps": 2},
+                  "draft": {"prompts": ["a picture", "an image of a thing", "a third"], "num_inference_steps": 4, "draft_k": 2,
+                            "draft_lv": True, "guidance": 1.0, "resolution": 32, "eval_every_n_steps": 3,
+                            "rewards": [{"function": "posttrain_rewards:redness"}]}},
         "distill": {**common, "output_dir": str(tmp / "distill"), "method": "distill",
                     "training": {"method": "full", "max_steps": MAX_STEPS, "batch_size": 2, "seed": 3},
                     "export": {"formats": ["original"]},
@@ -79,7 +85,7 @@ def test_kill_9_then_resume_continues_each_method_exactly(tmp_path):
     configs = _configs(tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
     processes = {}
-    for method, config in configs.items():  # all three at once: their start-up overlaps
+    for method, config in configs.items():  # all at once: their start-up overlaps
         path = tmp_path / f"{method}.yaml"
         path.write_text(yaml.safe_dump(config))
         processes[method] = subprocess.Popen([sys.executable, "-m", "finetune.posttrain", str(path)], cwd=ROOT, env=env,

@@ -173,6 +173,13 @@ method: distill       # with training: {method: full, ...}
 distill: {prompts: ["a picture", "a landscape"], student_steps: 4, teacher_steps: 24,
           teacher_guidance: 3.5, resolution: 64}
 """,
+    "draft": """
+method: draft
+model: {pretrained_model_name_or_path: tiny-random}
+training: {method: lora, max_steps: 40, batch_size: 2, seed: 0}
+draft: {prompts: ["a picture", "an image of a thing"], num_inference_steps: 6, draft_k: 1, draft_lv: false,
+        guidance: 0.0, resolution: 64, rewards: [{function: "my_reward:reward", weight: 1.0}]}
+""",
 }
 
 
@@ -187,6 +194,10 @@ def test_the_pinned_configs_are_valid_as_written():
                            cls=PosttrainConfig)
     assert (distill.distill.student_steps, distill.distill.teacher_guidance) == (4, 3.5)
     assert distill.export.formats == ["diffusers", "original"]
+    draft = build_config(yaml.safe_load(PINNED["draft"]), cls=PosttrainConfig)
+    assert (draft.method, draft.draft.num_inference_steps, draft.draft.draft_k, draft.draft.draft_lv, draft.draft.guidance,
+            draft.draft.resolution, draft.draft.rewards[0].function, draft.training.max_steps) == (
+        "draft", 6, 1, False, 0.0, 64, "my_reward:reward", 40)
     with pytest.raises(ConfigError, match="did you mean 'dpo.sft_weight'"):
         build_config({**common, "dpo": {"data": "p.jsonl", "sft_wieght": 1.0}}, cls=PosttrainConfig)
     with pytest.raises(ConfigError, match="group_size must be at least 2"):
@@ -310,7 +321,7 @@ def test_the_examples_parse_and_krea2_posttrain_is_a_command(tmp_path, capsys):
     methods = {}
     for path in sorted(root.glob("posttrain_*.yaml")):
         methods[path.name] = load_posttrain_config(path).method
-    assert sorted(methods.values()) == ["distill", "distill", "dpo", "dpo", "grpo", "grpo"]
+    assert sorted(methods.values()) == ["distill", "distill", "dpo", "dpo", "draft", "grpo", "grpo"]
     assert build_parser().parse_args(["posttrain", "c.yaml", "--resume", "training.max_steps=5"]).resume
     bad = tmp_path / "bad.yaml"
     bad.write_text("method: dpo\ndpo: {data: p.jsonl, betta: 1.0}\n")

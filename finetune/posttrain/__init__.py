@@ -1,4 +1,4 @@
-"""Post-training on the training engine: ``method: dpo | grpo | distill``.
+"""Post-training on the training engine: ``method: dpo | grpo | draft | distill``.
 
     krea2 posttrain examples/posttrain_dpo_tiny.yaml
 

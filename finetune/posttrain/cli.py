@@ -1,5 +1,5 @@
-"""``krea2 posttrain CONFIG.yaml [--output-dir DIR] [--resume] [--dry-run] [key=value ...]``: DPO, GRPO or
-TDM distillation (``method: dpo | grpo | distill``) on the training engine.
+"""``krea2 posttrain CONFIG.yaml [--output-dir DIR] [--resume] [--dry-run] [key=value ...]``: DPO, GRPO,
+DRaFT or TDM distillation (``method: dpo | grpo | draft | distill``) on the training engine.
 
 Several processes: ``accelerate launch -m finetune.posttrain CONFIG.yaml`` (or ``torchrun``).
 """
@@ -14,8 +14,8 @@ from ..cli import add_config_command, main as _main, run_config_command
 def add_parser(subparsers) -> argparse.ArgumentParser:
     return add_config_command(
         subparsers, "posttrain",
-        help="post-train (DPO, GRPO, TDM distillation) from a YAML config",
-        description="Post-train Krea 2: method: dpo | grpo | distill (see examples/posttrain_*_tiny.yaml).",
+        help="post-train (DPO, GRPO, DRaFT, TDM distillation) from a YAML config",
+        description="Post-train Krea 2: method: dpo | grpo | draft | distill (see examples/posttrain_*_tiny.yaml).",
         dry_run=True,
     )
 

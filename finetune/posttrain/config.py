@@ -1,7 +1,7 @@
 """The post-training config: a training config (model, training, lora, optimizer, checkpointing,
 export ... exactly as ``krea2 train``) plus ``method`` and that method's own section.
 
-``data`` is not used: DPO reads preference pairs, GRPO and distillation read prompts only.
+``data`` is not used: DPO reads preference pairs, GRPO, DRaFT and distillation read prompts only.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 
 from ..config import ConfigError, TrainConfig, load_config
 
-METHODS = ("dpo", "grpo", "distill")
+METHODS = ("dpo", "grpo", "distill", "draft")
 
 
 @dataclass
@@ -48,7 +48,9 @@ class DPOConfig:
 class RewardConfig:
     function: str = ""
     """``package.module:function(images, prompts, metadata) -> list[float]``, or a built-in
-    (``krea2.vlm_rubric``, ``krea2.ocr``, ``krea2.clip``: see :mod:`finetune.posttrain.rewards`)."""
+    (``krea2.vlm_rubric``, ``krea2.ocr``, ``krea2.clip``: see :mod:`finetune.posttrain.rewards`).
+    DRaFT's are differentiable: a float tensor (B, 3, H, W) in [0, 1] in, a tensor (B,) out
+    (:mod:`finetune.posttrain.differentiable_rewards`)."""
     weight: float = 1.0
     gate: float | None = None
     """A raw value below the gate zeroes the sample's total reward (e.g. an artefact detector)."""
@@ -70,7 +72,7 @@ class PromptPoolConfig:
 
 @dataclass
 class PromptSource:
-    """Where GRPO and distillation read their prompts (no images: both are data-free)."""
+    """Where GRPO, DRaFT and distillation read their prompts (no images: all three are data-free)."""
 
     prompts: list[str] = field(default_factory=list)
     prompts_file: str | None = None
@@ -127,12 +129,32 @@ class DistillConfig(PromptSource):
 
 
 @dataclass
+class DraftConfig(PromptSource):
+    num_inference_steps: int = 28
+    draft_k: int = 1
+    """Gradients flow through the last ``draft_k`` sampling steps (and the VAE decode)."""
+    draft_lv: bool = False
+    """DRaFT-LV: also re-noise the final latent at the last step's time, take one more
+    differentiable step from there, and average the two samples' rewards."""
+    guidance: float = 0.0
+    """CFG while sampling (Krea convention, 0 = off); only the conditional branch carries gradients."""
+    resolution: int = 1024
+    rewards: list[RewardConfig] = field(default_factory=list)
+    """Differentiable plug-ins ``package.module:function(images, prompts, metadata) -> tensor (B,)``
+    with ``images`` a float tensor (B, 3, H, W) in [0, 1] that carries gradients."""
+    eval_every_n_steps: int = 10
+    """``eval/reward_mean`` and ``eval/reward_vs_base`` on fixed seeds (0 = off)."""
+    eval_seeds: int = 2
+
+
+@dataclass
 class PosttrainConfig(TrainConfig):
     output_dir: str = "outputs/krea2-posttrain"
-    method: Literal["dpo", "grpo", "distill"] = "dpo"
+    method: Literal["dpo", "grpo", "distill", "draft"] = "dpo"
     dpo: DPOConfig | None = None
     grpo: GRPOConfig | None = None
     distill: DistillConfig | None = None
+    draft: DraftConfig | None = None
 
     requires_data: ClassVar[bool] = False
 
@@ -142,7 +164,7 @@ class PosttrainConfig(TrainConfig):
 
     def validate(self) -> None:
         if self.section is None:
-            setattr(self, self.method, {"dpo": DPOConfig, "grpo": GRPOConfig, "distill": DistillConfig}[self.method]())
+            setattr(self, self.method, {"dpo": DPOConfig, "grpo": GRPOConfig, "distill": DistillConfig, "draft": DraftConfig}[self.method]())
         super().validate()
         section, name = self.section, self.method
         if section.resolution <= 0 or section.resolution % 16:
@@ -158,14 +180,15 @@ class PosttrainConfig(TrainConfig):
         else:
             if not section.prompts and not section.prompts_file:
                 raise ConfigError(f"{name}.prompts (or {name}.prompts_file) is required")
+        if name in ("grpo", "draft"):
+            if not section.rewards:
+                raise ConfigError(f"{name}.rewards is empty: give at least one {{function: 'module:function'}}")
+            for i, reward in enumerate(section.rewards):
+                if ":" not in reward.function and not reward.function.startswith("krea2."):
+                    raise ConfigError(f"{name}.rewards[{i}].function {reward.function!r} must look like 'package.module:function'")
         if name == "grpo":
             if section.group_size < 2:
                 raise ConfigError(f"grpo.group_size must be at least 2 (advantages compare samples), got {section.group_size}")
-            if not section.rewards:
-                raise ConfigError("grpo.rewards is empty: give at least one {function: 'module:function'}")
-            for i, reward in enumerate(section.rewards):
-                if ":" not in reward.function and not reward.function.startswith("krea2."):
-                    raise ConfigError(f"grpo.rewards[{i}].function {reward.function!r} must look like 'package.module:function'")
             if section.sde_steps is not None and not 1 <= section.sde_steps <= section.num_inference_steps:
                 raise ConfigError(f"grpo.sde_steps must be in [1, num_inference_steps], got {section.sde_steps}")
         if name == "distill":
@@ -179,8 +202,19 @@ class PosttrainConfig(TrainConfig):
             if section.fake_updates_per_step < 1:
                 raise ConfigError(f"distill.fake_updates_per_step must be at least 1, got {section.fake_updates_per_step}")
 
+        if name == "draft":
+            if section.num_inference_steps < 1:
+                raise ConfigError(f"draft.num_inference_steps must be positive, got {section.num_inference_steps}")
+            if not 1 <= section.draft_k <= section.num_inference_steps:
+                raise ConfigError(f"draft.draft_k must be in [1, num_inference_steps={section.num_inference_steps}], "
+                                  f"got {section.draft_k}")
+            if section.guidance < 0:
+                raise ConfigError(f"draft.guidance must be >= 0 (Krea convention, 0 = off), got {section.guidance}")
+            if section.eval_every_n_steps < 0 or section.eval_seeds < 1:
+                raise ConfigError("draft.eval_every_n_steps must be >= 0 and draft.eval_seeds >= 1")
+
     def prompt_list(self) -> list[str]:
-        """GRPO / distill prompts: the inline list, then the file's non-empty lines."""
+        """GRPO / DRaFT / distill prompts: the inline list, then the file's non-empty lines."""
         section = self.section
         prompts = list(section.prompts)
         if section.prompts_file:

@@ -1,4 +1,5 @@
-"""Reward plug-ins for GRPO: ``package.module:function(images, prompts, metadata) -> list[float]``.
+"""Reward plug-ins for GRPO: ``package.module:function(images, prompts, metadata) -> list[float]``
+(DRaFT loads its differentiable ones here too and scores them in :mod:`.differentiable_rewards`).
 
 ``images`` is a list of PIL images, ``prompts`` a list of str, ``metadata`` a list of dicts
 (``prompt_index``, ``seed``, ``step``); one float per image comes back. A target that is a class
@@ -66,6 +67,17 @@ class Reward:
     weight: float
     gate: float | None
 
+    def label(self, prompts: list[str]) -> str:
+        """How its errors name it: the function and the step's prompts."""
+        return f"reward {self.name!r} on prompts {sorted(set(prompts))}"
+
+    def call(self, images, prompts: list[str], metadata: list[dict]):
+        """The function's raw output; anything it raises becomes a :class:`RewardError` naming it."""
+        try:
+            return self.function(images, prompts, metadata)
+        except Exception as err:
+            raise RewardError(f"{self.label(prompts)} raised {type(err).__name__}: {err}") from err
+
 
 def load_rewards(configs: list[RewardConfig]) -> list[Reward]:
     rewards = []
@@ -88,11 +100,8 @@ def score(rewards: list[Reward], images, prompts: list[str], metadata: list[dict
     keep = torch.ones(n, dtype=torch.bool)
     raw = {}
     for reward in rewards:
-        where = f"reward {reward.name!r} on prompts {sorted(set(prompts))}"
-        try:
-            values = reward.function(images, prompts, metadata)
-        except Exception as err:
-            raise RewardError(f"{where} raised {type(err).__name__}: {err}") from err
+        where = reward.label(prompts)
+        values = reward.call(images, prompts, metadata)
         try:
             values = [float(v) for v in values]
         except (TypeError, ValueError) as err:

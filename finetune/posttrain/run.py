@@ -10,6 +10,8 @@ def trainer_class(config: PosttrainConfig):
         from .dpo import DPOTrainer as cls
     elif config.method == "grpo":
         from .grpo import GRPOTrainer as cls
+    elif config.method == "draft":
+        from .draft import DraftTrainer as cls
     else:
         from .tdm import DistillTrainer as cls
     return cls
