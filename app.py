@@ -268,7 +268,8 @@ def build_ui(demo: Demo) -> gr.Blocks:
 def main(argv=None) -> None:
     args = parse_args(argv)
     demo = make_demo(args)
-    print(f"Krea 2 demo: {demo.label()}")
+    if not demo.tiny:  # tiny-random's loader has already said RANDOM WEIGHTS, once
+        print(f"Krea 2 demo: {demo.label()}")
     ui = build_ui(demo)
     ui.queue(max_size=args.max_queue, default_concurrency_limit=1)
     ui.launch(server_name=args.host, server_port=args.port, share=args.share, show_error=True, ssr_mode=False,
