@@ -1,16 +1,13 @@
 """The Gradio demo: its logic (app.Demo, krea2_diffusers.limits), its /generate API through gradio_client, and a
 real browser (Debian chromium driven by Playwright) generating an image on tiny-random.
 
-The server is ``python app.py --model tiny-random`` on 127.0.0.1, as a user would start it.
+The server is ``python app.py --model tiny-random --runs-dir RUNS`` on 127.0.0.1, as a user would start it
+(conftest's ``app_server``, shared with tests/test_app_train.py).
 """
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,11 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # app.py sits at the top level, next to the package
 from app import Demo, parse_lora  # noqa: E402  (the demo's loading and generation live with its UI)
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+from conftest import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
+
 TEST_SIZE = "test · 64×64"
-OFFLINE = {"GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1", "NO_PROXY": "127.0.0.1,localhost"}
 
 
 # ----------------------------------------------------------------------------- demo logic
@@ -143,30 +138,9 @@ def test_model_choices():
 
 
 # ----------------------------------------------------------------------------- the running app
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def app_url(tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("app") / "app.log"
-    with open(log, "w") as out:
-        server = subprocess.Popen([sys.executable, "app.py", "--model", "tiny-random", "--port", str(port)], cwd=ROOT,
-                                  stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **OFFLINE})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while "Running on local URL" not in log.read_text():
-            assert server.poll() is None, f"app.py exited:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"app.py did not start:\n{log.read_text()}"
-            time.sleep(0.3)
-        yield url
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+def app_url(app_server):
+    return app_server.url
 
 
 def test_generate_endpoint_with_gradio_client(app_url, tmp_path):
