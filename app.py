@@ -1,13 +1,15 @@
 """Krea 2 demo in the browser (Gradio).
 
     python app.py --model tiny-random                # offline, random weights (tests the plumbing)
+    python app.py --model tiny-random --runs-dir RUNS  # the Train tab writes its runs under RUNS
     python app.py --model krea-2-turbo.safetensors --raw-model krea-2-raw.safetensors
     python app.py --model path/to/diffusers-folder --port 7860 --share
 
 The generate function is also an API endpoint, ``/generate`` (prompt first), e.g. with gradio_client:
 ``Client("http://127.0.0.1:7860").predict("a red fox in snow", api_name="/generate")``.
 Request limits and input checks come from ``krea2_diffusers.limits``; loading, generating and
-saving (``Demo``) live here, with the UI.
+saving (``Demo``) live here, with the UI; the Train tab (``/train_plan``, ``/train_start``,
+``/train_status``, ``/train_stop``, ``/train_resume``) is the ``train_tab`` package.
 """
 
 from __future__ import annotations
