@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from krea2_diffusers import Krea2Pipeline
@@ -87,6 +88,31 @@ def test_style_references_reach_the_pipeline(demo):
                                    style_mode="reference"))
     assert not np.array_equal(np.asarray(plain.image), np.asarray(styled.image))
     assert styled.settings["style_strengths"] == [1.0] and styled.settings["style_mode"] == "reference"
+
+
+def test_a_trained_lora_used_in_generate_changes_the_image_and_is_recorded(demo, tmp_path):
+    from krea2_diffusers.loaders.lora import LoraLayer, save_lora_file
+
+    linear = dict(demo.pipeline("RAW").transformer.named_modules())
+    shapes = {m: (getattr(linear[m], "base_layer", linear[m]).in_features, getattr(linear[m], "base_layer", linear[m]).out_features)
+              for m in ("transformer_blocks.0.attn.to_q", "transformer_blocks.1.ff.down")}
+
+    def lora_file(name: str, seed: int) -> Path:
+        generator = torch.Generator().manual_seed(seed)
+        layers = {m: LoraLayer(torch.randn(2, i, generator=generator), torch.randn(o, 2, generator=generator))
+                  for m, (i, o) in shapes.items()}
+        return save_lora_file(tmp_path / name, layers, "diffusers", {"format": "pt"})
+
+    request = Request("a fox", variant="RAW", size=TEST_SIZE, steps=1, seed=4)
+    plain = demo.generate(request)
+    demo.use_lora(lora_file("first.safetensors", 0))
+    first = demo.generate(request)
+    demo.use_lora(lora_file("second.safetensors", 1))  # replaces the first: one trained adapter at a time
+    second = demo.generate(request)
+    assert list(demo.pipeline("RAW").transformer.peft_config) == [Demo.TRAINED_ADAPTER]
+    images = [np.asarray(r.image) for r in (plain, first, second)]
+    assert not np.array_equal(images[0], images[1]) and not np.array_equal(images[1], images[2])
+    assert read_settings(second.png_path)["loras"] == [{"path": str(tmp_path / "second.safetensors"), "strength": 1.0}]
 
 
 @pytest.mark.parametrize("change, message", [

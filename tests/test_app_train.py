@@ -147,7 +147,7 @@ def test_browser_captions_plans_trains_stops_resumes_and_uses_the_lora(app_serve
             expect(page.locator("#train_table_note")).to_contain_text("all captioned", timeout=WAIT_MS)
             shot("captions")
 
-            page.locator("#train_preset").get_by_text("48gb+").click()
+            page.get_by_test_id("48gb+-radio-label").click()
             page.locator("#train_plan_button").click()
             expect(page.locator("#train_plan")).to_contain_text("fits: 1.", timeout=WAIT_MS)
             shot("plan")

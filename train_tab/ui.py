@@ -4,6 +4,8 @@ functions the buttons call. The logic is :class:`train_tab.actions.TrainActions`
 
 from __future__ import annotations
 
+import json
+
 import gradio as gr
 
 from .actions import TrainActions
@@ -120,11 +122,13 @@ def build_train_tab(actions: TrainActions, use_lora):
                               info="16gb: NF4 base, rank 16, block swap. 24gb: fp8 base, rank 32. 48gb+: bf16 base, rank 32.")
             base = gr.Textbox(value=actions.base_model, label="Base model (RAW)", elem_id="train_base")
             with gr.Row():
-                steps = gr.Number(value=None, precision=0, label="Steps (empty: the preset's)", elem_id="train_steps")
-                sample_every = gr.Number(value=None, precision=0, label="Sample every N steps (empty: steps / 4)",
+                steps = gr.Number(value=0, precision=0, minimum=0, label="Steps (0: the preset's)", elem_id="train_steps")
+                sample_every = gr.Number(value=0, precision=0, minimum=0, label="Sample every N steps (0: steps / 4)",
                                          elem_id="train_sample_every")
             plan_button = gr.Button("Check memory plan", elem_id="train_plan_button")
-            plan_box = gr.Code(label="Memory plan", language="json", elem_id="train_plan", interactive=False)
+            plan_box = gr.Code(label="Memory plan (JSON, as /train_plan answers)", language="json", elem_id="train_plan",
+                               interactive=False, max_lines=3)
+            plan_view = gr.Textbox(label="Memory plan", lines=12, interactive=False, elem_id="train_plan_text")
             with gr.Row():
                 start_button = gr.Button("Start", variant="primary", elem_id="train_start")
                 stop_button = gr.Button("Stop", elem_id="train_stop")
@@ -145,7 +149,8 @@ def build_train_tab(actions: TrainActions, use_lora):
 
     load.click(load_images, [folder, uploads], [table, table_note], api_visibility="private")
     caption_button.click(caption, [table, base], [table, table_note], api_visibility="private")
-    plan_button.click(plan, [folder, preset, base, table], plan_box, api_name="train_plan")
+    plan_button.click(plan, [folder, preset, base, table], plan_box, api_name="train_plan").success(
+        lambda answer: json.loads(answer)["plan"], plan_box, plan_view, api_visibility="private")
     start_button.click(start, [folder, preset, base, trigger, steps, sample_every, table, uploads], run_id,
                        api_name="train_start").success(
         lambda r: (runs_choices(r), f"Started {r}."), run_id, [run, message], api_visibility="private")
