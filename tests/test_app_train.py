@@ -205,3 +205,25 @@ def test_browser_captions_plans_trains_stops_resumes_and_uses_the_lora(app_serve
     assert len(manifest) == 8 and all(r["caption"].startswith("acme, ") and len(r["caption"]) > 6 for r in manifest)
     assert listing(images) == before  # captions live in the run's manifest, not next to the images
     assert len(list(shots.iterdir())) == 7
+
+
+def test_uploaded_images_are_copied_into_the_run_folder(tmp_path):
+    """Uploads live in Gradio's temporary folder: the run keeps its own copies, and its YAML loads as it is."""
+    from finetune.config import load_config
+    from train_tab.actions import TrainActions
+    from train_tab.runs import CONFIG_NAME, MANIFEST_NAME, Runs
+
+    uploads = make_images(tmp_path / "gradio-tmp", 2)
+    actions = TrainActions(Runs(tmp_path / "runs"), "tiny-random")
+    rows = actions.images("", [[str(p), f"caption {i}"] for i, p in enumerate(sorted(uploads.glob("*.png")))])
+    run_id = actions.runs.create(lambda run, manifest: actions.config_for(run, manifest, "24gb", "tiny-random", "acme", 6),
+                                 rows, "acme", copy=True)
+    run = tmp_path / "runs" / run_id
+    manifest = [json.loads(line) for line in (run / MANIFEST_NAME).read_text().splitlines()]
+    assert [Path(r["path"]).parent for r in manifest] == [run / "images"] * 2
+    assert [r["caption"] for r in manifest] == ["acme, caption 0", "acme, caption 1"]
+    assert all(Path(r["path"]).read_bytes() == p.read_bytes() for r, p in zip(manifest, sorted(uploads.glob("*.png"))))
+    config = load_config(run / CONFIG_NAME)
+    assert (config.model.quantize, config.lora.rank, config.data.resolution, config.training.max_steps) == ("fp8", 32, 64, 6)
+    assert config.validation.every_n_steps == 1 and config.checkpointing.every_n_steps == 1
+    assert actions.runs.list() == [(run_id, "failed")]  # never started: no checkpoint, no export
