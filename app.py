@@ -1,13 +1,15 @@
 """Krea 2 demo in the browser (Gradio).
 
     python app.py --model tiny-random                # offline, random weights (tests the plumbing)
+    python app.py --model tiny-random --runs-dir RUNS  # the Train tab writes its runs under RUNS
     python app.py --model krea-2-turbo.safetensors --raw-model krea-2-raw.safetensors
     python app.py --model path/to/diffusers-folder --port 7860 --share
 
 The generate function is also an API endpoint, ``/generate`` (prompt first), e.g. with gradio_client:
 ``Client("http://127.0.0.1:7860").predict("a red fox in snow", api_name="/generate")``.
 Request limits and input checks come from ``krea2_diffusers.limits``; loading, generating and
-saving (``Demo``) live here, with the UI.
+saving (``Demo``) live here, with the UI; the Train tab (``/train_plan``, ``/train_start``,
+``/train_status``, ``/train_stop``, ``/train_resume``) is the ``train_tab`` package.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from krea2_diffusers.pipelines.memory import MEMORY_PRESETS, apply_memory_preset
 from krea2_diffusers.metadata import save_png
 from krea2_diffusers.presets import looks_distilled, preset_for
 from krea2_diffusers.models.tiny import is_tiny
+from train_tab.actions import TrainActions
+from train_tab.runs import Runs
+from train_tab.ui import build_train_tab
 
 GUIDANCE_LABEL = "Guidance (Krea scale: 0 = off; the usual CFG scale is this + 1)"
 REFERENCE_SLOTS = 4  # style-reference inputs of the UI and of /generate
@@ -67,8 +72,11 @@ class Demo:
         output_dir: where the PNGs with settings are written (the newest ``keep_files`` are kept).
     """
 
+    TRAINED_ADAPTER = "trained"  # the LoRA the Train tab's "use in Generate" loaded
+
     def __init__(self, models: dict[str, str], load, output_dir, limits: Limits = Limits(), keep_files: int = 200):
         self.models, self._load, self.limits = dict(models), load, limits
+        self.trained_lora: str | None = None
         self.output_dir, self.keep_files = Path(output_dir), keep_files
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.tiny = all(is_tiny(m) for m in self.models.values())
@@ -105,8 +113,21 @@ class Demo:
                     gc.collect()
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()
-                self._loaded[variant] = self._load(self.models[variant], variant == "Turbo")
+                pipe = self._load(self.models[variant], variant == "Turbo")
+                if self.trained_lora is not None:
+                    pipe.load_lora_weights(self.trained_lora, adapter_name=self.TRAINED_ADAPTER)
+                self._loaded[variant] = pipe
             return self._loaded[variant]
+
+    def use_lora(self, path: str) -> None:
+        """Apply a trained LoRA (in place of the previous one) to every model, loaded now or later."""
+        from krea2_diffusers.loaders.lora import remove_lora
+
+        with self._lock:
+            for pipe in self._loaded.values():
+                remove_lora(pipe.transformer, self.TRAINED_ADAPTER)
+                pipe.load_lora_weights(path, adapter_name=self.TRAINED_ADAPTER)
+            self.trained_lora = str(path)
 
     def generate(self, request: Request, progress=None) -> Result:
         """Run one request. ``progress(step, total, what="Sampling")`` is called after every step."""
@@ -140,6 +161,8 @@ class Demo:
             "width": image.width, "height": image.height, "model": getattr(pipe, "label", None) or self.models[request.variant],
             "variant": request.variant,
         }
+        if self.trained_lora is not None:
+            settings["loras"] = [{"path": self.trained_lora, "strength": 1.0}]
         if request.creativity != "raw":
             settings.update(creativity=request.creativity, expanded_prompt=expanded)
         if request.style_images:
@@ -168,6 +191,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--memory", choices=MEMORY_PRESETS, default="auto", help="memory preset (auto: fit the GPU found)")
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
                    help="LoRA to apply to every model (repeatable), e.g. the style-reference LoRA for style mode 'reference'")
+    p.add_argument("--runs-dir", default="runs", help="the Train tab's runs folder (one folder per run)")
+    p.add_argument("--train-gpu-memory", type=float, default=None, metavar="GIB",
+                   help="Train tab: plan for a card of this many GiB (default: the GPU found, else the preset's card)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 to serve your network)")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", action="store_true", help="also serve through a public gradio.live link")
@@ -199,7 +225,13 @@ def make_demo(args) -> Demo:
     return demo
 
 
-def build_ui(demo: Demo) -> gr.Blocks:
+def use_trained_lora(demo: Demo, path: str) -> str:
+    demo.use_lora(path)
+    return f"Loaded {Path(path).name} into the Generate tab."
+
+
+def build_ui(demo: Demo, train=None) -> gr.Blocks:
+    """Both tabs; ``train`` (a :class:`train_tab.actions.TrainActions`) adds the Train tab."""
     variants, limits = list(demo.models), demo.limits
     preset = demo.preset(variants[0])
 
@@ -224,55 +256,70 @@ def build_ui(demo: Demo) -> gr.Blocks:
 
     with gr.Blocks(title="Krea 2", analytics_enabled=False) as ui:
         gr.Markdown(f"# Krea 2\nModel: **{demo.label()}**")
-        with gr.Row():
-            with gr.Column():
-                prompt = gr.Textbox(label="Prompt", lines=3, max_length=limits.max_prompt_chars, elem_id="prompt",
-                                    placeholder="A red fox asleep in fresh snow, morning light")
-                negative = gr.Textbox(value="", label="Negative prompt", max_length=limits.max_prompt_chars,
-                                      info="Used when guidance is on (RAW). Empty is fine.")
-                creativity = gr.Radio(list(CREATIVITY), value="raw", label="Creativity",
-                                      info="raw renders only what you wrote; low / medium / high expand it more freely.")
-                button = gr.Button("Generate", variant="primary", elem_id="generate")
-                model = gr.Radio(variants, value=variants[0], label="Model",
-                                 info="Turbo: 8 steps, guidance off. RAW: 52 steps, guidance 3.5.")
-                size = gr.Dropdown(list(demo.sizes), value=next(iter(demo.sizes)), label="Size")
-                steps = gr.Slider(1, limits.max_steps, value=preset.num_inference_steps, step=1, label="Steps")
-                guidance = gr.Slider(0, limits.max_guidance, value=preset.guidance_scale, step=0.1, label=GUIDANCE_LABEL)
+        with gr.Tabs() as tabs:
+            with gr.Tab("Generate", id="generate"):
+                lora_note = gr.Markdown(elem_id="lora_in_use")
                 with gr.Row():
-                    seed = gr.Number(value=0, precision=0, minimum=0, maximum=MAX_SEED, label="Seed")
-                    randomize = gr.Checkbox(value=True, label="Randomise seed")
-                references = []
-                with gr.Accordion("Style references", open=False):
-                    style_mode = gr.Radio(list(STYLE_MODES), value=STYLE_MODES[0], label="Style mode",
-                                          info="describe: works without a LoRA; reference: the images themselves "
-                                               "(start the app with the style-reference LoRA, --lora).")
-                    for i in range(REFERENCE_SLOTS):
+                    with gr.Column():
+                        prompt = gr.Textbox(label="Prompt", lines=3, max_length=limits.max_prompt_chars, elem_id="prompt",
+                                            placeholder="A red fox asleep in fresh snow, morning light")
+                        negative = gr.Textbox(value="", label="Negative prompt", max_length=limits.max_prompt_chars,
+                                              info="Used when guidance is on (RAW). Empty is fine.")
+                        creativity = gr.Radio(list(CREATIVITY), value="raw", label="Creativity",
+                                              info="raw renders only what you wrote; low / medium / high expand it more freely.")
+                        button = gr.Button("Generate", variant="primary", elem_id="generate")
+                        model = gr.Radio(variants, value=variants[0], label="Model",
+                                         info="Turbo: 8 steps, guidance off. RAW: 52 steps, guidance 3.5.")
+                        size = gr.Dropdown(list(demo.sizes), value=next(iter(demo.sizes)), label="Size")
+                        steps = gr.Slider(1, limits.max_steps, value=preset.num_inference_steps, step=1, label="Steps")
+                        guidance = gr.Slider(0, limits.max_guidance, value=preset.guidance_scale, step=0.1, label=GUIDANCE_LABEL)
                         with gr.Row():
-                            references.append(gr.Image(type="pil", label=f"Reference {i + 1}", height=160))
-                            references.append(gr.Slider(0, 2, value=1, step=0.05, label="Strength",
-                                                        info="0 = ignored, 1 = plain reference"))
-            with gr.Column():
-                image = gr.Image(label="Image (its PNG carries the settings)", type="filepath", format="png",
-                                 interactive=False, elem_id="result", height=512)
-                expanded = gr.Textbox(label="Expanded prompt (what the model read)", interactive=False)
-                png = gr.File(label="Download PNG with settings")
-                settings = gr.JSON(label="Settings")
+                            seed = gr.Number(value=0, precision=0, minimum=0, maximum=MAX_SEED, label="Seed")
+                            randomize = gr.Checkbox(value=True, label="Randomise seed")
+                        references = []
+                        with gr.Accordion("Style references", open=False):
+                            style_mode = gr.Radio(list(STYLE_MODES), value=STYLE_MODES[0], label="Style mode",
+                                                  info="describe: works without a LoRA; reference: the images themselves "
+                                                       "(start the app with the style-reference LoRA, --lora).")
+                            for i in range(REFERENCE_SLOTS):
+                                with gr.Row():
+                                    references.append(gr.Image(type="pil", label=f"Reference {i + 1}", height=160))
+                                    references.append(gr.Slider(0, 2, value=1, step=0.05, label="Strength",
+                                                                info="0 = ignored, 1 = plain reference"))
+                    with gr.Column():
+                        image = gr.Image(label="Image (its PNG carries the settings)", type="filepath", format="png",
+                                         interactive=False, elem_id="result", height=512)
+                        expanded = gr.Textbox(label="Expanded prompt (what the model read)", interactive=False)
+                        png = gr.File(label="Download PNG with settings")
+                        settings = gr.JSON(label="Settings")
 
-        model.change(lambda v: (demo.preset(v).num_inference_steps, demo.preset(v).guidance_scale), model, [steps, guidance],
-                     api_visibility="private")
-        button.click(generate, [prompt, negative, model, creativity, size, steps, guidance, seed, randomize, *references, style_mode],
-                     [image, png, settings, expanded, seed], api_name="generate", concurrency_limit=1)
+                model.change(lambda v: (demo.preset(v).num_inference_steps, demo.preset(v).guidance_scale), model, [steps, guidance],
+                             api_visibility="private")
+                button.click(generate, [prompt, negative, model, creativity, size, steps, guidance, seed, randomize, *references, style_mode],
+                             [image, png, settings, expanded, seed], api_name="generate", concurrency_limit=1)
+            if train is not None:
+                with gr.Tab("Train", id="train"):
+                    used = build_train_tab(train, lambda path: use_trained_lora(demo, path))
+                used.success(lambda: (gr.Tabs(selected="generate"), f"LoRA in use: `{demo.trained_lora}`"), None,
+                             [tabs, lora_note], api_visibility="private")
     return ui
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     demo = make_demo(args)
-    print(f"Krea 2 demo: {demo.label()}")
-    ui = build_ui(demo)
+    if not demo.tiny:  # tiny-random's loader has already said RANDOM WEIGHTS, once
+        print(f"Krea 2 demo: {demo.label()}")
+    runs = Runs(args.runs_dir)
+    train = TrainActions(runs, demo.models.get("RAW", next(iter(demo.models.values()))), captioner_model=args.text_encoder,
+                         gpu_memory_gib=args.train_gpu_memory)
+    ui = build_ui(demo, train)
     ui.queue(max_size=args.max_queue, default_concurrency_limit=1)
-    ui.launch(server_name=args.host, server_port=args.port, share=args.share, show_error=True, ssr_mode=False,
-              max_file_size="20mb")
+    try:
+        ui.launch(server_name=args.host, server_port=args.port, share=args.share, show_error=True, ssr_mode=False,
+                  max_file_size="20mb", allowed_paths=[str(runs.root)])
+    finally:
+        runs.close()  # a run still going saves its checkpoint (Resume continues it next time)
 
 
 if __name__ == "__main__":

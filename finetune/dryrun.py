@@ -155,16 +155,28 @@ def build_plan(config: TrainConfig, world_size: int, copies: ModelCopies = Model
     return plan, what
 
 
+def device_memory() -> tuple[str, int | None]:
+    """(name, total bytes) of this process's GPU; ``("cpu (no GPU detected)", None)`` without one."""
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return props.name, props.total_memory
+    return "cpu (no GPU detected)", None
+
+
+def plan_text(config: TrainConfig, world_size: int = 1, copies: ModelCopies = ModelCopies(),
+              device: tuple[str, int | None] | None = None) -> tuple[str, MemoryPlan]:
+    """What ``--dry-run`` prints, and the plan: ``device`` (name, bytes) is the card compared
+    against (default: this process's, :func:`device_memory`). Writes nothing."""
+    name, available = device or device_memory()
+    plan, what = build_plan(config, world_size, copies)
+    return f"dry run: {what}, {world_size} process(es)\n" + plan.render(name, available), plan
+
+
 def dry_run(config: TrainConfig, copies: ModelCopies = ModelCopies()) -> str:
     """Print and log the plan; returns the text. Nothing but ``dry-run.log`` is written."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    plan, what = build_plan(config, world_size, copies)
-    available, name = None, "cpu (no GPU detected)"
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        available, name = props.total_memory, props.name
-    text = f"dry run: {what}, {world_size} process(es)\n" + plan.render(name, available)
+    text, _ = plan_text(config, world_size, copies)
     if rank == 0:
         print(text)
         out = Path(config.output_dir)

@@ -299,6 +299,12 @@ class Trainer:
                              shuffle=self.config.data.shuffle)
 
     def train(self) -> TrainResult:
+        # Signals are caught from the start: a stop asked for while the run sets up (loading,
+        # caching) is honoured after the first step, with its checkpoint, instead of killing it.
+        with StopRequest() as stop:
+            return self._train(stop)
+
+    def _train(self, stop: StopRequest) -> TrainResult:
         config, runtime = self.config, self.runtime
         self.setup()
         from .validation import Validator
@@ -311,20 +317,19 @@ class Trainer:
         step = self.start_step
         items = iter(self.step_inputs())
         try:
-            with StopRequest() as stop:
-                while step < config.training.max_steps:
-                    loss, grad_norm = self.train_step(step, items)
-                    step += 1
-                    result.losses[step] = loss
-                    metrics.log(step, loss, self.lr_scheduler.get_last_lr()[0], grad_norm, self.extra_metrics)
-                    stopping = runtime.any(stop.requested)
-                    if stopping or (every > 0 and step % every == 0) or step == config.training.max_steps:
-                        self.save(step)
-                    if validator.due(step):
-                        validator.run(self.model, step, metrics, self.lora_layers() if self.lora else None)
-                    if stopping:
-                        result.interrupted = True
-                        break
+            while step < config.training.max_steps:
+                loss, grad_norm = self.train_step(step, items)
+                step += 1
+                result.losses[step] = loss
+                metrics.log(step, loss, self.lr_scheduler.get_last_lr()[0], grad_norm, self.extra_metrics)
+                stopping = runtime.any(stop.requested)
+                if stopping or (every > 0 and step % every == 0) or step == config.training.max_steps:
+                    self.save(step)
+                if validator.due(step):
+                    validator.run(self.model, step, metrics, self.lora_layers() if self.lora else None)
+                if stopping:
+                    result.interrupted = True
+                    break
             self.checkpointer.wait()
             result.final_step = step
             if not result.interrupted:

@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -96,3 +104,42 @@ def comfyui(tmp_path_factory):
     server = start_server(tmp_path_factory.mktemp("comfyui-base"))
     yield server
     server.stop()
+
+
+# ----------------------------------------------------------------------------- the demo app, served once
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+OFFLINE = {"GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1", "NO_PROXY": "127.0.0.1,localhost"}
+APP_CARD_GIB = 16  # the Train tab plans for a 16 GiB card (--train-gpu-memory), whatever this machine has
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def app_server(tmp_path_factory):
+    """``python app.py --model tiny-random --runs-dir RUNS --train-gpu-memory 16``, as a user starts it:
+    ``url``, ``runs`` (the runs folder) and ``log``."""
+    port = free_port()
+    folder = tmp_path_factory.mktemp("app")
+    log, runs = folder / "app.log", folder / "runs"
+    with open(log, "w") as out:
+        server = subprocess.Popen([sys.executable, "app.py", "--model", "tiny-random", "--port", str(port), "--runs-dir",
+                                   str(runs), "--train-gpu-memory", str(APP_CARD_GIB)], cwd=ROOT,
+                                  stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **OFFLINE})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while "Running on local URL" not in log.read_text():
+            assert server.poll() is None, f"app.py exited:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"app.py did not start:\n{log.read_text()}"
+            time.sleep(0.3)
+        yield SimpleNamespace(url=url, runs=runs, log=log)
+    finally:
+        server.terminate()
+        server.wait(timeout=120)

@@ -1,20 +1,18 @@
 """The Gradio demo: its logic (app.Demo, krea2_diffusers.limits), its /generate API through gradio_client, and a
 real browser (Debian chromium driven by Playwright) generating an image on tiny-random.
 
-The server is ``python app.py --model tiny-random`` on 127.0.0.1, as a user would start it.
+The server is ``python app.py --model tiny-random --runs-dir RUNS`` on 127.0.0.1, as a user would start it
+(conftest's ``app_server``, shared with tests/test_app_train.py).
 """
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from krea2_diffusers import Krea2Pipeline
@@ -25,11 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # app.py sits at the top level, next to the package
 from app import Demo, parse_lora  # noqa: E402  (the demo's loading and generation live with its UI)
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+from conftest import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
+
 TEST_SIZE = "test · 64×64"
-OFFLINE = {"GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1", "NO_PROXY": "127.0.0.1,localhost"}
 
 
 # ----------------------------------------------------------------------------- demo logic
@@ -94,6 +90,31 @@ def test_style_references_reach_the_pipeline(demo):
     assert styled.settings["style_strengths"] == [1.0] and styled.settings["style_mode"] == "reference"
 
 
+def test_a_trained_lora_used_in_generate_changes_the_image_and_is_recorded(demo, tmp_path):
+    from krea2_diffusers.loaders.lora import LoraLayer, save_lora_file
+
+    linear = dict(demo.pipeline("RAW").transformer.named_modules())
+    shapes = {m: (getattr(linear[m], "base_layer", linear[m]).in_features, getattr(linear[m], "base_layer", linear[m]).out_features)
+              for m in ("transformer_blocks.0.attn.to_q", "transformer_blocks.1.ff.down")}
+
+    def lora_file(name: str, seed: int) -> Path:
+        generator = torch.Generator().manual_seed(seed)
+        layers = {m: LoraLayer(torch.randn(2, i, generator=generator), torch.randn(o, 2, generator=generator))
+                  for m, (i, o) in shapes.items()}
+        return save_lora_file(tmp_path / name, layers, "diffusers", {"format": "pt"})
+
+    request = Request("a fox", variant="RAW", size=TEST_SIZE, steps=1, seed=4)
+    plain = demo.generate(request)
+    demo.use_lora(lora_file("first.safetensors", 0))
+    first = demo.generate(request)
+    demo.use_lora(lora_file("second.safetensors", 1))  # replaces the first: one trained adapter at a time
+    second = demo.generate(request)
+    assert list(demo.pipeline("RAW").transformer.peft_config) == [Demo.TRAINED_ADAPTER]
+    images = [np.asarray(r.image) for r in (plain, first, second)]
+    assert not np.array_equal(images[0], images[1]) and not np.array_equal(images[1], images[2])
+    assert read_settings(second.png_path)["loras"] == [{"path": str(tmp_path / "second.safetensors"), "strength": 1.0}]
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(prompt="   "), "Please enter a prompt"),
     (dict(prompt="x" * 2001), "limit is 2000"),
@@ -143,30 +164,9 @@ def test_model_choices():
 
 
 # ----------------------------------------------------------------------------- the running app
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def app_url(tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("app") / "app.log"
-    with open(log, "w") as out:
-        server = subprocess.Popen([sys.executable, "app.py", "--model", "tiny-random", "--port", str(port)], cwd=ROOT,
-                                  stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **OFFLINE})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while "Running on local URL" not in log.read_text():
-            assert server.poll() is None, f"app.py exited:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"app.py did not start:\n{log.read_text()}"
-            time.sleep(0.3)
-        yield url
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+def app_url(app_server):
+    return app_server.url
 
 
 def test_generate_endpoint_with_gradio_client(app_url, tmp_path):

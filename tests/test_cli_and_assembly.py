@@ -13,11 +13,14 @@ from krea2_diffusers.files import read_safetensors, save_safetensors
 from krea2_diffusers.metadata import read_settings
 
 
-def test_generate_writes_pngs_with_settings(tmp_path):
+def test_generate_writes_pngs_with_settings(tmp_path, capsys, caplog):
     out = tmp_path / "fox.png"
     code = main(["generate", "a fox", "--model", "tiny-random", "--steps", "2", "--guidance", "1.5", "--seed", "7",
                  "--width", "48", "--height", "32", "--num-images", "2", "--negative", "blurry", "--output", str(out)])
     assert code == 0
+    printed = capsys.readouterr()
+    notices = (printed.out + printed.err).count("RANDOM WEIGHTS") + sum("RANDOM WEIGHTS" in r.getMessage() for r in caplog.records)
+    assert notices == 1  # the loader's warning; the command does not repeat it
     for i in range(2):
         path = tmp_path / f"fox-{i}.png"
         settings = read_settings(path)

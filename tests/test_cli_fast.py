@@ -48,6 +48,20 @@ def test_help_and_argument_errors_are_fast_and_quiet():
     assert bad.returncode == 2 and "prompt" in bad.stderr and "bitsandbytes" not in bad.stderr
 
 
+def test_generate_refuses_an_existing_output_before_importing_torch(tmp_path):
+    existing = tmp_path / "keep.png"
+    existing.write_bytes(b"user data")
+    code = (
+        "import json, sys\n"
+        "from krea2_diffusers.cli import main\n"
+        f"code = main(['generate', 'a fox', '--output', {str(existing)!r}])\n"
+        f"print(json.dumps([code, [m for m in {HEAVY!r} if m in sys.modules]]))\n"
+    )
+    out = run_python(code)
+    assert json.loads(out.stdout) == [2, []], out.stderr
+    assert "refusing to overwrite" in out.stderr and existing.read_bytes() == b"user data"
+
+
 def test_lazy_exports_resolve():
     import krea2_diffusers
 

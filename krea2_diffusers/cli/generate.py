@@ -68,44 +68,52 @@ def resolve_dtype(name: str, device: str):
     return getattr(torch, name)
 
 
-def run(args) -> int:
-    import torch
-
-    from .. import Krea2Img2ImgPipeline, Krea2InpaintPipeline, Krea2Pipeline
-    from ..loaders.assembly import load_pipeline
-    from ..metadata import save_png
-    from ..sampling import check_strength
-
+def check_arguments(args) -> tuple[list[Path], list, list]:
+    """Everything that can be refused without loading a model, checked before torch is imported
+    (a refusal then takes a second, not the imports' ten): returns (output paths, style refs, LoRAs)."""
     if args.num_images < 1:
         raise ValueError(f"--num-images must be >= 1, got {args.num_images}")
     if args.mask and not args.init_image:
         raise ValueError("--mask needs --init-image (the image to inpaint)")
-    image_args = {}
-    if args.init_image:
-        image_args = dict(image=args.init_image, strength=check_strength(args.strength))
-        if args.mask:
-            image_args["mask_image"] = args.mask
     for path in filter(None, (args.init_image, args.mask)):
         if not Path(path).is_file():
             raise FileNotFoundError(f"{path}: no such file")
-    size = {} if args.init_image else dict(height=DEFAULT_SIZE, width=DEFAULT_SIZE)
-    size.update({k: v for k, v in (("height", args.height), ("width", args.width)) if v is not None})
     paths = output_paths(args.output, args.num_images)
     existing = [str(p) for p in paths if p.exists()]
     if existing and not args.overwrite:
         raise ValueError(f"refusing to overwrite {existing}; pass --overwrite or choose another --output")
-    from ..conditioning.references import parse_style_ref
+    from ..conditioning.references import parse_style_ref  # imports torch: after the refusals above
 
     style = [parse_style_ref(spec) for spec in args.style_ref]
     loras = [parse_style_ref(spec) for spec in args.lora]  # same PATH[:NUMBER] syntax
     for path, _ in style + loras:
         if not Path(path).is_file():
             raise FileNotFoundError(f"{path}: no such file")
+    return paths, style, loras
+
+
+def run(args) -> int:
+    paths, style, loras = check_arguments(args)
+    import torch
+
+    from .. import Krea2Img2ImgPipeline, Krea2InpaintPipeline, Krea2Pipeline
+    from ..loaders.assembly import load_pipeline
+    from ..metadata import save_png
+    from ..models.tiny import is_tiny
+    from ..sampling import check_strength
+
+    image_args = {}
+    if args.init_image:
+        image_args = dict(image=args.init_image, strength=check_strength(args.strength))
+        if args.mask:
+            image_args["mask_image"] = args.mask
+    size = {} if args.init_image else dict(height=DEFAULT_SIZE, width=DEFAULT_SIZE)
+    size.update({k: v for k, v in (("height", args.height), ("width", args.width)) if v is not None})
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     pipe = load_pipeline(Krea2Pipeline, args.model, text_encoder=args.text_encoder, vae=args.vae,
                          torch_dtype=resolve_dtype(args.dtype, device), is_distilled=args.is_distilled,
                          device=None if args.memory else device)
-    if pipe.label:
+    if pipe.label and not is_tiny(args.model):  # tiny-random's loader already warned, once
         print(f"model: {pipe.label}")
     for path, strength in loras:
         pipe.load_lora_weights(path, strength=strength)

@@ -284,6 +284,18 @@ def set_lora_strength(transformer: nn.Module, adapter_name: str, strength: float
     transformer.set_adapters(list(strengths), weights=list(strengths.values()))
 
 
+def remove_lora(transformer: nn.Module, adapter_name: str) -> bool:
+    """Remove one loaded adapter (the others stay active at their strengths); False if absent."""
+    strengths = getattr(transformer, "_krea2_lora_strengths", {})
+    if adapter_name not in strengths:
+        return False
+    transformer.delete_adapters([adapter_name])
+    del strengths[adapter_name]
+    if strengths:
+        transformer.set_adapters(list(strengths), weights=list(strengths.values()))
+    return True
+
+
 def load_lora_into_transformer(
     transformer: nn.Module,
     state_dict_or_path: str | Path | Mapping[str, torch.Tensor],

@@ -1,0 +1,229 @@
+"""The app's Train tab on tiny-random: bad input refused with clear messages (through the API, the same
+functions as the buttons), and a real browser (Debian chromium, Playwright) captioning 8 images,
+reading the plan, starting a 20-step run, stopping and resuming it, and using its LoRA in the Generate
+tab, with a screenshot at each stage (kept in the test's tmp folder).
+
+The server is conftest's ``app_server`` (one for test_app.py and this file): ``python app.py --model
+tiny-random --runs-dir RUNS --train-gpu-memory 16``; training is ``krea2 train`` in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import CHROMIUM, CHROMIUM_ARGS
+
+STEPS = 20
+SAMPLE_EVERY = 5
+WAIT_MS = 600_000  # a busy 2-core machine: a krea2 train subprocess takes ~10-60 s to set up
+
+
+def make_images(folder: Path, count: int = 8) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        pixels = np.clip(rng.normal(40 + 25 * i, 30, (64, 64, 3)), 0, 255).astype(np.uint8)
+        Image.fromarray(pixels).save(folder / f"picture_{i}.png")
+    return folder
+
+
+def full_size_header_only(folder: Path) -> Path:
+    """A diffusers transformer folder of the released 12.8B config whose safetensors file holds a
+    header and a sparse hole: enough for the plan (which reads no weight), 4 KiB on disk."""
+    from krea2_diffusers import Krea2Transformer2DModel
+
+    with torch.device("meta"):
+        model = Krea2Transformer2DModel()  # the class defaults are the released model
+    header, offset = {}, 0
+    for name, tensor in model.state_dict().items():
+        size = tensor.numel() * 2
+        header[name] = {"dtype": "BF16", "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"_class_name": "Krea2Transformer2DModel"}))
+    raw = json.dumps(header).encode()
+    path = folder / "diffusion_pytorch_model.safetensors"
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(raw)) + raw)
+        handle.truncate(8 + len(raw) + offset)
+    return folder
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+@pytest.fixture(scope="module")
+def client(app_server, tmp_path_factory):
+    from gradio_client import Client
+
+    return Client(app_server.url, verbose=False, download_files=str(tmp_path_factory.mktemp("downloads")))
+
+
+def test_bad_input_is_refused_with_a_clear_message_and_writes_nothing(client, app_server, tmp_path):
+    from gradio_client.exceptions import AppError
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "notes.txt").write_text("not an image")
+    (texts / "list.csv").write_text("a,b")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "fake.png").write_bytes(b"not a png at all")
+    images = make_images(tmp_path / "images", 2)
+    cases = [
+        ((str(empty), "48gb+", "tiny-random"), "is empty"),
+        ((str(texts), "48gb+", "tiny-random"), "holds no images (2 other file(s)"),
+        ((str(broken), "48gb+", "tiny-random"), "fake.png is not a readable image"),
+        ((str(tmp_path / "nowhere"), "48gb+", "tiny-random"), "is not a folder"),
+        ((str(images), "8gb", "tiny-random"), "'8gb' .* is not in the list of choices"),
+    ]
+    for args, message in cases:
+        for endpoint, extra in (("/train_plan", ()), ("/train_start", ("acme", STEPS))):
+            with pytest.raises(AppError, match=message if "*" in message else message.replace("(", r"\(").replace(")", r"\)")):
+                client.predict(*args, *extra, api_name=endpoint)
+    with pytest.raises(AppError, match="2 image\\(s\\) have no caption"):
+        client.predict(str(images), "48gb+", "tiny-random", "acme", STEPS, api_name="/train_start")
+
+    # The full-size model (header only) with the bf16 base of the 48gb+ preset on a 16 GiB card.
+    for i, path in enumerate(sorted(images.glob("*.png"))):
+        path.with_suffix(".txt").write_text(f"picture {i}")
+    big = full_size_header_only(tmp_path / "krea2-full" / "transformer")
+    plan = json.loads(client.predict(str(images), "48gb+", str(big), api_name="/train_plan"))
+    assert not plan["fits"] and plan["card_gib"] == 16 and plan["total_gib"] > 16
+    assert "DOES NOT FIT" in plan["plan"] and "try the 16gb preset" in plan["plan"], plan["plan"]
+    assert "LoRA r32 on a bfloat16 base" in plan["plan"] and "memory plan per process on a 16 GiB card" in plan["plan"]
+    with pytest.raises(AppError, match="Not started. DOES NOT FIT"):
+        client.predict(str(images), "48gb+", str(big), "acme", STEPS, api_name="/train_start")
+    fits = json.loads(client.predict(str(images), "16gb", str(big), api_name="/train_plan"))
+    assert fits["fits"] and fits["total_gib"] < 16
+
+    # Nothing was written: no run folder, the image folders as they were.
+    assert not app_server.runs.exists() or not any(app_server.runs.iterdir())
+    assert listing(tmp_path / "images") == sorted([f"picture_{i}.{e}" for i in range(2) for e in ("png", "txt")])
+    assert listing(texts) == ["list.csv", "notes.txt"] and listing(empty) == []
+
+
+def test_browser_captions_plans_trains_stops_resumes_and_uses_the_lora(app_server, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: run .ci/install_browser.sh")
+    images = make_images(tmp_path / "dataset")
+    before = listing(images)
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1800})
+            page.goto(app_server.url, wait_until="domcontentloaded")
+
+            def shot(name: str) -> None:
+                page.screenshot(path=str(shots / f"{len(list(shots.iterdir())):02d}-{name}.png"), full_page=True)
+
+            def field(elem_id: str):
+                return page.locator(f"#{elem_id}").locator("textarea, input").first
+
+            def message(text: str):
+                expect(page.get_by_text(text).first).to_be_visible(timeout=WAIT_MS)
+
+            page.get_by_role("tab", name="Train").click()
+            field("train_folder").fill(str(images))
+            page.locator("#train_load").click()
+            expect(page.locator("#train_table_note")).to_contain_text("8 images, 8 without a caption", timeout=WAIT_MS)
+            shot("images")
+            page.locator("#train_caption").click()
+            expect(page.locator("#train_table_note")).to_contain_text("all captioned", timeout=WAIT_MS)
+            shot("captions")
+
+            page.get_by_test_id("48gb+-radio-label").click()
+            page.locator("#train_plan_button").click()
+            expect(page.locator("#train_plan")).to_contain_text("fits: 1.", timeout=WAIT_MS)
+            shot("plan")
+
+            field("train_trigger").fill("acme")
+            field("train_steps").fill(str(STEPS))
+            field("train_sample_every").fill(str(SAMPLE_EVERY))
+            page.locator("#train_start").click()
+            message("Started ")
+            run_id = next(p.name for p in app_server.runs.iterdir())
+            page.locator("#train_start").click()  # a second Start while the first run goes
+            message(f"Run {run_id} is still running")
+            page.locator("#train_stop").click()  # at once: the run stops after its first step, checkpointed
+            expect(page.locator("#train_progress")).to_contain_text("stopped, step 1 / 20", timeout=WAIT_MS)
+            expect(page.locator("#train_loss").locator("canvas, svg").first).to_be_visible(timeout=WAIT_MS)
+            shot("stopped")
+
+            page.locator("#train_resume").click()
+            message(f"Resumed {run_id}")
+            expect(page.locator("#train_samples img").first).to_be_visible(timeout=WAIT_MS)
+            shot("sample")
+            expect(page.locator("#train_progress")).to_contain_text("done, step 20 / 20", timeout=WAIT_MS)
+            expect(page.locator("#train_use")).to_be_enabled(timeout=WAIT_MS)
+            shot("done")
+
+            page.locator("#train_use").click()
+            expect(page.locator("#lora_in_use")).to_contain_text("lora_diffusers.safetensors", timeout=WAIT_MS)
+            page.locator("#prompt textarea").fill("acme, a picture")
+            page.locator("#generate").click()
+            result = page.locator("#result img")
+            result.wait_for(state="visible", timeout=WAIT_MS)
+            shot("generate-with-lora")
+            response = page.request.get(result.get_attribute("src"))
+            (tmp_path / "shown.png").write_bytes(response.body())
+        finally:
+            browser.close()
+
+    from krea2_diffusers.metadata import read_settings
+
+    run = app_server.runs / run_id
+    assert read_settings(tmp_path / "shown.png")["loras"] == [{"path": str(run / "lora_diffusers.safetensors"), "strength": 1.0}]
+    # One run, continued: metrics.jsonl holds steps 1..20 once each, the resume after a step-1 checkpoint.
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert (run / "checkpoints").is_dir() and "--resume" in (run / "train.log").read_text()
+    assert sorted(p.name for p in (run / "samples").iterdir()) == [f"step-{s:06d}" for s in range(SAMPLE_EVERY, STEPS + 1, SAMPLE_EVERY)]
+    assert sorted(p.name for p in run.glob("lora_*.safetensors")) == ["lora_comfyui.safetensors", "lora_diffusers.safetensors",
+                                                                       "lora_kohya.safetensors"]
+    # The YAML in the run folder is the run: krea2 train reads it as it is.
+    from finetune.config import load_config
+
+    config = load_config(run / "train.yaml")
+    assert config.output_dir == str(run) and config.training.max_steps == STEPS and config.export.trigger_words == ["acme"]
+    manifest = [json.loads(line) for line in (run / "dataset.jsonl").read_text().splitlines()]
+    assert len(manifest) == 8 and all(r["caption"].startswith("acme, ") and len(r["caption"]) > 6 for r in manifest)
+    assert listing(images) == before  # captions live in the run's manifest, not next to the images
+    assert len(list(shots.iterdir())) == 7
+
+
+def test_uploaded_images_are_copied_into_the_run_folder(tmp_path):
+    """Uploads live in Gradio's temporary folder: the run keeps its own copies, and its YAML loads as it is."""
+    from finetune.config import load_config
+    from train_tab.actions import TrainActions
+    from train_tab.runs import CONFIG_NAME, MANIFEST_NAME, Runs
+
+    uploads = make_images(tmp_path / "gradio-tmp", 2)
+    actions = TrainActions(Runs(tmp_path / "runs"), "tiny-random")
+    rows = actions.images("", [[str(p), f"caption {i}"] for i, p in enumerate(sorted(uploads.glob("*.png")))])
+    run_id = actions.runs.create(lambda run, manifest: actions.config_for(run, manifest, "24gb", "tiny-random", "acme", 6),
+                                 rows, "acme", copy=True)
+    run = tmp_path / "runs" / run_id
+    manifest = [json.loads(line) for line in (run / MANIFEST_NAME).read_text().splitlines()]
+    assert [Path(r["path"]).parent for r in manifest] == [run / "images"] * 2
+    assert [r["caption"] for r in manifest] == ["acme, caption 0", "acme, caption 1"]
+    assert all(Path(r["path"]).read_bytes() == p.read_bytes() for r, p in zip(manifest, sorted(uploads.glob("*.png"))))
+    config = load_config(run / CONFIG_NAME)
+    assert (config.model.quantize, config.lora.rank, config.data.resolution, config.training.max_steps) == ("fp8", 32, 64, 6)
+    assert config.validation.every_n_steps == 1 and config.checkpointing.every_n_steps == 1
+    assert actions.runs.list() == [(run_id, "failed")]  # never started: no checkpoint, no export

@@ -1,0 +1,11 @@
+"""The demo app's Train tab (``app.py``): a LoRA run for people who do not write YAML.
+
+The tab only prepares and watches runs; training is ``krea2 train`` in a subprocess, on a YAML file
+written into the run folder (so every run can be repeated from the command line):
+
+- :mod:`train_tab.presets`: the card-sized presets and the run's config mapping;
+- :mod:`train_tab.images`: the image folder, its captions, captioning the missing ones;
+- :mod:`train_tab.plan`: the memory plan (``krea2 train --dry-run``'s code) and the fit decision;
+- :mod:`train_tab.runs`: the runs folder: start, stop (SIGTERM), resume, status;
+- :mod:`train_tab.ui`: the Gradio tab and its API endpoints.
+"""

@@ -1,0 +1,67 @@
+"""Card-sized LoRA presets and the config mapping of a Train-tab run.
+
+A preset names the card it is made for; its settings are the community's starting points for
+Krea 2 RAW (rank 16-32, lr 1e-4, 1024 px) with the storage and block swap that fit that card
+(``krea2 train --dry-run`` figures for the full-size model: r32 at 1024 px is 17.7 GiB on fp8 and
+12.6 GiB on NF4). On ``tiny-random`` the resolution drops to :data:`TINY_RESOLUTION` and the
+model stays in float32 (a CPU run that proves the plumbing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from krea2_diffusers.models.tiny import is_tiny
+
+TINY_RESOLUTION = 64
+
+
+@dataclass(frozen=True)
+class TrainPreset:
+    card_gib: int
+    """The card the preset is made for (the plan compares against it when no GPU is found)."""
+    quantize: str
+    """``model.quantize`` of the frozen base: none | fp8 | int8 | nf4."""
+    rank: int
+    resolution: int
+    offload_blocks: int
+    """``training.offload_blocks``: blocks whose frozen weights stream from CPU memory."""
+    steps: int
+    dtype: str = "bfloat16"
+
+
+TRAIN_PRESETS: dict[str, TrainPreset] = {
+    "16gb": TrainPreset(card_gib=16, quantize="nf4", rank=16, resolution=1024, offload_blocks=8, steps=1500),
+    "24gb": TrainPreset(card_gib=24, quantize="fp8", rank=32, resolution=1024, offload_blocks=0, steps=1500),
+    "48gb+": TrainPreset(card_gib=48, quantize="none", rank=32, resolution=1024, offload_blocks=0, steps=1500),
+}
+
+
+def run_config(run_dir: Path, manifest: Path, preset_name: str, base_model: str, trigger_word: str, steps: int,
+               sample_every: int, validation_prompt: str) -> dict:
+    """The ``krea2 train`` config (a YAML mapping) of a run in ``run_dir`` on ``manifest``
+    (a ``.jsonl`` of image paths and captions)."""
+    preset = TRAIN_PRESETS[preset_name]
+    tiny = is_tiny(base_model)
+    resolution = TINY_RESOLUTION if tiny else preset.resolution
+    every = max(1, int(sample_every))
+    return {
+        "output_dir": str(run_dir),
+        "model": {"pretrained_model_name_or_path": base_model, "dtype": "float32" if tiny else preset.dtype,
+                  "quantize": preset.quantize},
+        "data": {"path": str(manifest), "resolution": resolution, "caption_dropout": 0.05,
+                 "num_workers": 0 if tiny else 2},
+        "training": {"method": "lora", "max_steps": int(steps), "batch_size": 1,
+                     "mixed_precision": "no" if tiny else "bf16", "activation_checkpointing": "none" if tiny else "full",
+                     "offload_blocks": 0 if tiny else preset.offload_blocks},
+        "lora": {"rank": preset.rank, "alpha": float(preset.rank),
+                 **({"train_text_fusion": True, "extra_modules": ["img_in", "final_layer.linear"]} if tiny else {})},
+        "optimizer": {"name": "adamw" if tiny else "adamw8bit", "learning_rate": 3e-3 if tiny else 1e-4},
+        # Stop always checkpoints; in between, about four checkpoints a run (at most every 250 steps).
+        "checkpointing": {"every_n_steps": max(1, min(250, int(steps) // 4)), "keep_last": 2},
+        "validation": {"every_n_steps": every, "prompts": [validation_prompt], "height": resolution, "width": resolution,
+                       "num_inference_steps": 4 if tiny else 28},
+        "export": {"formats": ["diffusers", "comfyui", "kohya"], "trigger_words": [trigger_word] if trigger_word else []},
+        "logging": {"tensorboard": False, "progress_bar": False},
+    }
