@@ -2,7 +2,7 @@
 
 One ``images`` table holds every image's probe results, each job's result columns and its queue
 state (``<job>_done_at``, ``<job>_last_tried_at``, ``<job>_attempts``, ``<job>_error``,
-``<job>_claimed_by``), the final ``status`` and the reason an image was dropped. A database whose
+``<job>_claimed_by``, ``<job>_deaths``), the final ``status`` and the reason an image was dropped. A database whose
 schema is newer than this code is refused: an old worker must never write rows it does not understand.
 """
 
@@ -65,7 +65,20 @@ CREATE TABLE cluster_models (
 );
 """
 
-MIGRATIONS = (_V1,)
+def _claims_index(job: str) -> str:
+    # Rows a worker holds right now: the reaper looks for dead claims without scanning the queue.
+    return (f"CREATE INDEX images_{job}_claims ON images ({job}_claimed_by) WHERE {job}_claimed_by IS NOT NULL;")
+
+
+_V2 = f"""
+ALTER TABLE images ADD COLUMN thumbnail bytea,
+    {', '.join(f'ADD COLUMN {job}_deaths integer NOT NULL DEFAULT 0' for job in JOBS)};
+{' '.join(_claims_index(job) for job in JOBS)}
+"""
+"""Version 2: the alignment thumbnail of near-duplicate verification (a filter result) and, per
+job, the number of workers that died holding the row (each one also counted an attempt)."""
+
+MIGRATIONS = (_V1, _V2)
 """MIGRATIONS[i] takes a database from schema version i to i + 1."""
 SCHEMA_VERSION = len(MIGRATIONS)
 

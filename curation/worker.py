@@ -1,7 +1,8 @@
 """One worker: claim -> work -> write, for any subset of the jobs, until its queues are drained.
 
-The loop takes one batch of each served job in pipeline order (so a single worker also feeds its
-own downstream jobs) and, when nothing is claimable, either waits (``follow``, or rows that could
+The loop takes one batch of each served job in pipeline order and runs it through the following
+jobs it serves (probe -> filter -> dedup: each write claims the survivors for the next job in the
+same transaction, and filter reuses probe's decoded thumbnails) and, when nothing is claimable, either waits (``follow``, or rows that could
 still feed its queues are held by live workers or waiting out a back-off) or exits. A batch that
 raises outside the per-row handling is recorded as a retryable error on every row it held.
 """
@@ -12,38 +13,66 @@ import logging
 import time
 import traceback
 from collections import Counter
-from typing import Callable
 
 from .config import CurationConfig
-from .schema import JOBS
+from .schema import JOBS, UPSTREAM
+from .screening import DecodedImages, filter_row, probe_row
 from .warehouse import Outcome, Warehouse
 
 logger = logging.getLogger(__name__)
 
+HANDS_OFF = ("filter", "dedup")
+"""Jobs that take a batch straight from their upstream job's write (probe -> filter -> dedup)."""
 
-class RowJob:
-    """A job that handles each row on its own (probe, filter)."""
 
-    def __init__(self, name: str, fn: Callable[[dict, CurationConfig], Outcome], config: CurationConfig):
-        self.name, self.fn, self.config = name, fn, config
+class ProbeJob:
+    """Probe each row; thumbnails of rows handed to this worker's filter job are kept for it."""
+
+    def __init__(self, config: CurationConfig, decoded: DecodedImages):
+        self.config, self.decoded = config, decoded
 
     def ready(self, warehouse: Warehouse) -> bool:
         return True
 
-    def run(self, warehouse: Warehouse, rows: list[dict]) -> None:
-        warehouse.write(self.name, [self.fn(row, self.config) for row in rows])
+    def run(self, warehouse: Warehouse, rows: list[dict], hand_off: str | None = None,
+            log_claims: bool = False) -> list[dict]:
+        outcomes = []
+        self.decoded.clear()
+        for row in rows:
+            outcome, rgb = probe_row(row, self.config)
+            outcomes.append(outcome)
+            if rgb is not None and hand_off == "filter":
+                self.decoded.keep(row["id"], rgb)
+        handed = warehouse.write("probe", outcomes, hand_off=hand_off, log_claims=log_claims)
+        if hand_off != "filter":
+            self.decoded.clear()
+        return handed
 
 
-def make_job(name: str, config: CurationConfig):
-    """The runner of job ``name``; model-backed jobs import their libraries only here."""
+class FilterJob:
+    """Filter each row, from probe's thumbnail when this worker probed it."""
+
+    def __init__(self, config: CurationConfig, decoded: DecodedImages):
+        self.config, self.decoded = config, decoded
+
+    def ready(self, warehouse: Warehouse) -> bool:
+        return True
+
+    def run(self, warehouse: Warehouse, rows: list[dict], hand_off: str | None = None,
+            log_claims: bool = False) -> list[dict]:
+        outcomes = [filter_row(row, self.config, self.decoded) for row in rows]
+        self.decoded.clear()
+        return warehouse.write("filter", outcomes, hand_off=hand_off, log_claims=log_claims)
+
+
+def make_job(name: str, config: CurationConfig, decoded: DecodedImages | None = None):
+    """The runner of job ``name``; model-backed jobs import their libraries only here. ``decoded``
+    is shared by probe and filter so a row is decoded once per worker."""
+    decoded = decoded if decoded is not None else DecodedImages()
     if name == "probe":
-        from .screening import probe_row
-
-        return RowJob(name, probe_row, config)
+        return ProbeJob(config, decoded)
     if name == "filter":
-        from .screening import filter_row
-
-        return RowJob(name, filter_row, config)
+        return FilterJob(config, decoded)
     if name == "dedup":
         from .dedup import DedupJob
 
@@ -74,33 +103,39 @@ def parse_jobs(text: str) -> list[str]:
 
 def work(warehouse: Warehouse, config: CurationConfig, jobs: list[str], batch_size: int | None = None,
          follow: bool = False, log_claims: bool = False) -> Counter:
-    """Serve ``jobs`` until their queues are empty (or forever with ``follow``); returns rows per job."""
+    """Serve ``jobs`` until their queues are empty (or forever with ``follow``); returns rows per job.
+
+    A claimed batch runs through every following job this worker serves (probe -> filter -> dedup):
+    each write claims the surviving rows for the next job in the same transaction."""
     batch_size = batch_size or config.queue.batch_size
-    runners = {job: make_job(job, config) for job in jobs}
+    decoded = DecodedImages()
+    runners = {job: make_job(job, config, decoded) for job in jobs}
     handled: Counter = Counter()
     while True:
         progressed = False
-        for job in jobs:
-            runner = runners[job]
-            if not runner.ready(warehouse):
+        for first in jobs:
+            if not runners[first].ready(warehouse):
                 continue
-            rows = warehouse.claim(job, batch_size, log_claims)
-            if not rows:
-                continue
-            try:
-                runner.run(warehouse, rows)
-            except Exception as err:  # the batch's rows go back to the queue with the error
-                logger.warning("%s batch of %d rows failed: %s", job, len(rows), err)
-                if warehouse.conn.info.transaction_status != 0:  # recover from an aborted transaction
-                    warehouse.conn.rollback()
-                message = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=3)}"
-                warehouse.write(job, [Outcome(row["id"], error=message) for row in rows])
-            handled[job] += len(rows)
-            progressed = True
+            job, rows = first, warehouse.claim(first, batch_size, log_claims)
+            while rows:
+                following = next((j for j in jobs if UPSTREAM[j] == job and j in HANDS_OFF), None)
+                try:
+                    runner = runners[job]
+                    handed = (runner.run(warehouse, rows, following, log_claims) if following
+                              else runner.run(warehouse, rows)) or []
+                except Exception as err:  # the batch's rows go back to the queue with the error
+                    logger.warning("%s batch of %d rows failed: %s", job, len(rows), err)
+                    if warehouse.conn.info.transaction_status != 0:  # recover from an aborted transaction
+                        warehouse.conn.rollback()
+                    message = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=3)}"
+                    warehouse.write(job, [Outcome(row["id"], error=message) for row in rows])
+                    handed = []
+                handled[job] += len(rows)
+                progressed = True
+                job, rows = following, handed
         if progressed:
             continue
         if follow or warehouse.waiting(jobs):
             time.sleep(config.queue.poll_s)
             continue
         return handled
-
