@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -39,7 +40,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         if name == "work":
             command.add_argument("--follow", action="store_true", help="keep waiting for new rows instead of exiting")
         else:
-            command.add_argument("--workers", type=int, default=2, help="local worker processes (default 2)")
+            command.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                                 help="local worker processes (default: one per core)")
             command.add_argument("--no-progress", action="store_true", help="no progress bars")
     status = sub.add_parser("status", help="per-job done / claimable / failed / rows/s")
     _location(status)
@@ -95,7 +97,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             if args.store:
                 location += ["--store", args.store]
             failed = run_workers(warehouse, worker_command(location, jobs, args.batch, args.config, args.claim_log),
-                                 args.workers, jobs, config.queue.poll_s, not args.no_progress)
+                                 args.workers, jobs, config.queue.poll_s, not args.no_progress,
+                                 config.queue.max_attempts)
             if failed:
                 print(f"krea2 curate run: {failed} worker(s) exited with an error", file=sys.stderr)
                 return 1

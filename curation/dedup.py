@@ -121,6 +121,14 @@ class Deduplicator:
         self.groups[group].append(image_id)
         return group, distance
 
+    def add_known(self, image_id: int, md5: str, phash: bytes, colour: bytes, thumbnail: bytes | None,
+                  area: int, group: int) -> None:
+        """Index an image another worker already grouped (its group as stored): no search."""
+        self.by_md5.setdefault(md5, image_id)
+        self.index.add(image_id, hash_int(phash))
+        self.members[image_id] = Member(group, area, md5, colour, thumbnail)
+        self.groups[group].append(image_id)
+
     def representative(self, group: int) -> int:
         """Largest (pixels), then oldest (smallest id = first ingested)."""
         return max(self.groups[group], key=lambda i: (self.members[i].area, -i))
@@ -138,10 +146,10 @@ class DedupJob:
         self.last_seq = 0
 
     def _catch_up(self, conn) -> None:
-        rows = conn.execute("SELECT id, md5, phash, colour_hash, thumbnail, width::bigint * height, dedup_seq "
-                            "FROM images WHERE dedup_seq > %s ORDER BY dedup_seq", (self.last_seq,)).fetchall()
-        for image_id, md5, phash, colour, thumbnail, area, seq in rows:
-            self.dedup.place(image_id, md5, bytes(phash), bytes(colour), thumbnail and bytes(thumbnail), area)
+        rows = conn.execute("SELECT id, md5, phash, colour_hash, thumbnail, width::bigint * height, dedup_group, "
+                            "dedup_seq FROM images WHERE dedup_seq > %s ORDER BY dedup_seq", (self.last_seq,)).fetchall()
+        for image_id, md5, phash, colour, thumbnail, area, group, seq in rows:
+            self.dedup.add_known(image_id, md5, bytes(phash), bytes(colour), thumbnail and bytes(thumbnail), area, group)
             self.last_seq = seq
 
     def ready(self, warehouse: Warehouse) -> bool:

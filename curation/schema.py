@@ -65,15 +65,9 @@ CREATE TABLE cluster_models (
 );
 """
 
-def _claims_index(job: str) -> str:
-    # Rows a worker holds right now: the reaper looks for dead claims without scanning the queue.
-    return (f"CREATE INDEX images_{job}_claims ON images ({job}_claimed_by) WHERE {job}_claimed_by IS NOT NULL;")
-
-
 _V2 = f"""
 ALTER TABLE images ADD COLUMN thumbnail bytea,
     {', '.join(f'ADD COLUMN {job}_deaths integer NOT NULL DEFAULT 0' for job in JOBS)};
-{' '.join(_claims_index(job) for job in JOBS)}
 """
 """Version 2: the alignment thumbnail of near-duplicate verification (a filter result) and, per
 job, the number of workers that died holding the row (each one also counted an attempt)."""

@@ -147,16 +147,18 @@ class Warehouse:
         one statement, one round trip. Rows a dead worker held are suspects: each is claimed alone,
         and only when no other row is claimable, so a row that kills its worker takes no innocent
         rows down with it; a suspect with no attempt left is reaped as ``failed`` first."""
-        status = _status_of(job)
-        sql = (f"WITH reaped AS (UPDATE images SET status = 'failed', drop_reason = 'failed:{job}', drop_job = '{job}', "
-               f"{job}_deaths = {job}_deaths + 1, {job}_claimed_by = NULL, "
-               f"{job}_error = 'worker died while processing (' || ({job}_deaths + 1) || ' times)' "
-               f"WHERE {_dead_exhausted(job)} RETURNING id), "
-               f"normal AS (SELECT id FROM images WHERE {_claimable(job)} AND {job}_claimed_by IS NULL "
+        # Suspects and reaping look at claimed rows, which no index lists (one more index on a
+        # column every claim changes slows every claim): both only run once no ordinary row is
+        # left, i.e. at the end of a queue, where the scan is short.
+        sql = (f"WITH normal AS (SELECT id FROM images WHERE {_claimable(job)} AND {job}_claimed_by IS NULL "
                f"AND {job}_deaths = 0 ORDER BY {job}_last_tried_at NULLS FIRST, id LIMIT %(limit)s "
                f"FOR UPDATE SKIP LOCKED), "
+               f"reaped AS (UPDATE images SET status = 'failed', drop_reason = 'failed:{job}', drop_job = '{job}', "
+               f"{job}_deaths = {job}_deaths + 1, {job}_claimed_by = NULL, "
+               f"{job}_error = 'worker died while processing (' || ({job}_deaths + 1) || ' times)' "
+               f"WHERE {_dead_exhausted(job)} AND NOT EXISTS (SELECT 1 FROM normal) RETURNING id), "
                f"suspect AS (SELECT id FROM images WHERE {_claimable(job)} AND ({job}_claimed_by IS NOT NULL "
-               f"OR {job}_deaths > 0) AND NOT EXISTS (SELECT 1 FROM normal) AND status = '{status}' "
+               f"OR {job}_deaths > 0) AND NOT EXISTS (SELECT 1 FROM normal) "
                f"ORDER BY {job}_last_tried_at NULLS FIRST, id LIMIT 1 FOR UPDATE SKIP LOCKED), "
                f"chosen AS (SELECT id FROM normal UNION ALL SELECT id FROM suspect), " + _take(job, "chosen"))
         cur = self.conn.execute(sql, self._params(limit=limit, log=log_claims))
@@ -294,6 +296,10 @@ def open_warehouse(db: str | None = None, dsn: str | None = None, store: str | N
             server.close()
         raise
     conn.autocommit = True  # every operation opens its own transaction block
+    # Commits return without waiting for the WAL flush: a server crash may forget the last moments'
+    # results, which only sends those rows back to the queue (every job is idempotent); the data
+    # stays consistent. Per batch this saves a disk flush per commit, most of a small batch's time.
+    conn.execute("SET synchronous_commit = off")
     where = f"warehouse {db}" if db is not None else "the --dsn database"
     warehouse = Warehouse(conn, where, Path(store or db).resolve() if (store or db) else None, queue or QueueConfig(), server)
     try:

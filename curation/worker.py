@@ -10,6 +10,8 @@ raises outside the per-row handling is recorded as a retryable error on every ro
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 import traceback
 from collections import Counter
@@ -21,6 +23,9 @@ from .warehouse import Outcome, Warehouse
 
 logger = logging.getLogger(__name__)
 
+CRASH_HOOK = "KREA2_CURATION_CRASH_ON"
+"""Test hook (environment): a worker about to probe a URI ending with this value kills itself
+with SIGKILL, as a decoder segfault or the OOM killer would (tests/test_curation_faults.py)."""
 HANDS_OFF = ("filter", "dedup")
 """Jobs that take a batch straight from their upstream job's write (probe -> filter -> dedup)."""
 
@@ -38,7 +43,10 @@ class ProbeJob:
             log_claims: bool = False) -> list[dict]:
         outcomes = []
         self.decoded.clear()
+        crash_on = os.environ.get(CRASH_HOOK)
         for row in rows:
+            if crash_on and row["uri"].endswith(crash_on):
+                os.kill(os.getpid(), signal.SIGKILL)
             outcome, rgb = probe_row(row, self.config)
             outcomes.append(outcome)
             if rgb is not None and hand_off == "filter":

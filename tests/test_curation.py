@@ -1,19 +1,18 @@
 """Curation warehouse: the pinned CLI, filter/dedup verdicts on a corpus with known answers, a crash
 of one of three parallel workers, retries, bad input, and export into a krea2-pack-v1 pack.
 
-One embedded Postgres (pgserver) serves the whole module; each case that needs a clean warehouse
-gets its own database on it (``--dsn``), the pinned ``--db DIR`` form attaches to the running server.
+One embedded Postgres (pgserver, tests/curation_warehouse.py) serves every curation test module; each
+case that needs a clean warehouse gets its own database on it (``--dsn``), the pinned ``--db DIR``
+form attaches to the running server.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,37 +22,9 @@ import pytest
 
 from curation.dedup import HashIndex
 from curation.hashing import hash_int
-from curation.server import EmbeddedServer
 from curation.synthetic import make_corpus
+from curation_warehouse import FAST_QUEUE, REPO, database, query, server  # noqa: F401 (server: a fixture)
 from krea2_diffusers.cli import main as krea2
-
-FAST_QUEUE = "queue: {max_attempts: 2, backoff_s: 0.0, poll_s: 0.1}\n"
-REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="session")
-def server():
-    # Not under pytest's tmp_path: run as root, Postgres runs as another user that must traverse
-    # the parents, and every pytest session resets /tmp/pytest-of-<user> to 0700.
-    folder = Path(tempfile.mkdtemp(prefix="krea2-curation-"))
-    handle = EmbeddedServer(folder / "db", create=True)
-    yield handle
-    handle.close()
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-def _database(server, name: str) -> str:
-    with psycopg.connect(server.uri("postgres"), autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
-        conn.execute(f'CREATE DATABASE "{name}"')
-    return server.uri(name)
-
-
-def _rows(dsn: str, sql: str, params=()) -> list[dict]:
-    with psycopg.connect(dsn) as conn:
-        cur = conn.execute(sql, params)
-        names = [d.name for d in cur.description]
-        return [dict(zip(names, r)) for r in cur.fetchall()]
 
 
 def _cli_raw(capsys, *argv) -> tuple[int, str, str]:
@@ -82,7 +53,7 @@ def test_corpus_verdicts_status_and_export(server, tmp_path, capsys):
     code, out, err = _cli(capsys, "work", "--db", db, "--jobs", "probe,filter,dedup", "--batch", "4", "--config", config)
     assert code == 0, err
 
-    rows = {Path(r["uri"]).name: r for r in _rows(server.dsn, "SELECT * FROM images")}
+    rows = {Path(r["uri"]).name: r for r in query(server.dsn, "SELECT * FROM images")}
     assert set(rows) == set(expected)
     assert not [n for n, r in rows.items() if r["status"] not in ("kept", "dropped", "failed")]
     fates = {n: r["status"] if r["status"] in ("kept", "failed") else r["drop_reason"] for n, r in rows.items()}
@@ -141,7 +112,7 @@ def test_corpus_verdicts_status_and_export(server, tmp_path, capsys):
 def test_three_workers_one_killed(server, tmp_path):
     """Three worker processes; one is killed -9 while it holds a batch. The queue drains, every row
     gets a status, and the claim log shows no row claimed by two live workers at once."""
-    dsn = _database(server, "workers")
+    dsn = database(server, "workers")
     corpus = tmp_path / "corpus"
     expected = make_corpus(corpus, photos=18, seed=1)
     config = tmp_path / "curate.yaml"
@@ -175,12 +146,12 @@ def test_three_workers_one_killed(server, tmp_path):
     for process in others:
         assert process.wait(timeout=180) == 0, process.stderr.read().decode()
 
-    rows = _rows(dsn, "SELECT uri, status, drop_reason FROM images")
+    rows = query(dsn, "SELECT uri, status, drop_reason FROM images")
     assert len(rows) == len(expected)
     fates = {Path(r["uri"]).name: r["status"] if r["status"] in ("kept", "failed") else r["drop_reason"] for r in rows}
     assert fates == expected
 
-    claims = _rows(dsn, "SELECT job, image_id, worker, claimed_at, released_at FROM claim_log ORDER BY job, image_id, claimed_at")
+    claims = query(dsn, "SELECT job, image_id, worker, claimed_at, released_at FROM claim_log ORDER BY job, image_id, claimed_at")
     abandoned = [c for c in claims if c["released_at"] is None]
     assert abandoned and all(c["worker"].endswith(f":{victim.pid}") for c in abandoned)
     by_row: dict[tuple, list[dict]] = {}
@@ -203,7 +174,7 @@ def test_bad_connections_schema_and_backoff(server, tmp_path, capsys):
     code, _, err = _cli(capsys, "status", "--db", tmp_path / "nothing-here")
     assert code == 2 and "no warehouse" in err and "krea2 curate init" in err
 
-    dsn = _database(server, "schema")
+    dsn = database(server, "schema")
     code, _, err = _cli(capsys, "status", "--dsn", dsn)
     assert code == 2 and "krea2 curate init" in err
     assert _cli(capsys, "init", "--dsn", dsn)[0] == 0
@@ -217,7 +188,7 @@ def test_bad_connections_schema_and_backoff(server, tmp_path, capsys):
     from curation.config import QueueConfig
     from curation.warehouse import Outcome, open_warehouse
 
-    dsn = _database(server, "backoff")
+    dsn = database(server, "backoff")
     with open_warehouse(dsn=dsn, create=True, queue=QueueConfig(max_attempts=2, backoff_s=0.5)) as warehouse:
         (tmp_path / "a.png").write_bytes(b"")
         manifest = tmp_path / "list.jsonl"
@@ -235,7 +206,7 @@ def test_bad_connections_schema_and_backoff(server, tmp_path, capsys):
         assert not warehouse.waiting(["probe"])
         status = warehouse.status()
         assert status["failed"] == 1 and status["jobs"]["probe"]["failed"] == 1
-        final = _rows(dsn, "SELECT status, drop_reason, probe_error, probe_attempts FROM images")[0]
+        final = query(dsn, "SELECT status, drop_reason, probe_error, probe_attempts FROM images")[0]
         assert final == {"status": "failed", "drop_reason": "failed:probe", "probe_error": "OSError: still down",
                          "probe_attempts": 2}
 
@@ -273,7 +244,7 @@ def test_semantic_duplicates_inside_leaves():
 
 
 def test_run_workers_then_captions_embeddings_clusters(server, tmp_path, capsys):
-    dsn = _database(server, "models")
+    dsn = database(server, "models")
     corpus = tmp_path / "corpus"
     expected = make_corpus(corpus, photos=1, seed=2, bad=False)  # 3 kept: captioning is the slow part
     for name in expected:
@@ -286,13 +257,13 @@ def test_run_workers_then_captions_embeddings_clusters(server, tmp_path, capsys)
     assert krea2(["curate", "ingest", str(corpus), "--dsn", dsn]) == 0
     code, _, err = _cli(capsys, "run", "--dsn", dsn, "--workers", 2, "--batch", 2, "--config", config, "--no-progress")
     assert code == 0, err
-    kept = _rows(dsn, "SELECT id, uri, width::bigint * height AS area FROM images WHERE status = 'kept' ORDER BY id")
+    kept = query(dsn, "SELECT id, uri, width::bigint * height AS area FROM images WHERE status = 'kept' ORDER BY id")
     assert sorted(Path(r["uri"]).name for r in kept) == sorted(n for n, f in expected.items() if f == "kept")
 
     code, out, err = _cli(capsys, "work", "--dsn", dsn, "--store", store, "--jobs", "caption,embed,cluster",
                           "--batch", 3, "--config", config)
     assert code == 0, err
-    rows = _rows(dsn, "SELECT * FROM images WHERE dedup_done_at IS NOT NULL AND duplicate_of IS NULL ORDER BY id")
+    rows = query(dsn, "SELECT * FROM images WHERE dedup_done_at IS NOT NULL AND duplicate_of IS NULL ORDER BY id")
     assert len(rows) == len(kept)
     for row in rows:
         assert all(row[c] for c in ("caption_long", "caption_medium", "caption_short")), row["uri"]
@@ -330,7 +301,7 @@ def test_larger_late_arrival_takes_over_its_group(server, tmp_path, capsys):
 
     from curation.synthetic import photo
 
-    dsn = _database(server, "takeover")
+    dsn = database(server, "takeover")
     picture = photo(np.random.default_rng(5))
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir()
@@ -343,7 +314,7 @@ def test_larger_late_arrival_takes_over_its_group(server, tmp_path, capsys):
     for folder in (first, second):
         assert _cli(capsys, "ingest", folder, "--dsn", dsn)[0] == 0
         assert _cli(capsys, "work", "--dsn", dsn, "--config", config)[0] == 0
-    rows = {Path(r["uri"]).name: r for r in _rows(dsn, "SELECT * FROM images")}
+    rows = {Path(r["uri"]).name: r for r in query(dsn, "SELECT * FROM images")}
     assert rows["large.png"]["status"] == "kept" and rows["large.png"]["duplicate_of"] is None
     assert (rows["small.jpg"]["status"], rows["small.jpg"]["drop_reason"], rows["small.jpg"]["duplicate_of"]) == (
         "dropped", "near_duplicate", rows["large.png"]["id"])
