@@ -107,6 +107,8 @@ class Warehouse:
         self.queue = queue
         self.server = server
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
+        self.log_claims = False
+        """Record every claim and release in ``claim_log`` (``work --claim-log``)."""
 
     def close(self) -> None:
         self.conn.close()
@@ -142,7 +144,7 @@ class Warehouse:
     def _params(self, **extra) -> dict[str, Any]:
         return {"backoff": self.queue.backoff_s, "max": self.queue.max_attempts, "worker": self.worker, **extra}
 
-    def claim(self, job: str, limit: int, log_claims: bool = False) -> list[dict[str, Any]]:
+    def claim(self, job: str, limit: int) -> list[dict[str, Any]]:
         """Claim up to ``limit`` rows for ``job`` (oldest attempt first, never-tried rows first) in
         one statement, one round trip. Rows a dead worker held are suspects: each is claimed alone,
         and only when no other row is claimable, so a row that kills its worker takes no innocent
@@ -161,7 +163,7 @@ class Warehouse:
                f"OR {job}_deaths > 0) AND NOT EXISTS (SELECT 1 FROM normal) "
                f"ORDER BY {job}_last_tried_at NULLS FIRST, id LIMIT 1 FOR UPDATE SKIP LOCKED), "
                f"chosen AS (SELECT id FROM normal UNION ALL SELECT id FROM suspect), " + _take(job, "chosen"))
-        cur = self.conn.execute(sql, self._params(limit=limit, log=log_claims))
+        cur = self.conn.execute(sql, self._params(limit=limit, log=self.log_claims))
         return self._rows(cur)
 
     @staticmethod
@@ -170,64 +172,82 @@ class Warehouse:
         return sorted((dict(zip(names, r)) for r in cur.fetchall()), key=lambda r: r["id"])
 
     def release_log(self, job: str, ids: list[int], outcome: str) -> None:
+        """Close our open claim_log entries of ``ids`` (only a worker that logs claims has any)."""
+        if not self.log_claims:
+            return
         self.conn.execute("UPDATE claim_log SET released_at = clock_timestamp(), outcome = %s WHERE job = %s AND "
                           "image_id = ANY(%s) AND backend_pid = pg_backend_pid() AND released_at IS NULL",
                           (outcome, job, ids))
 
-    def write(self, job: str, outcomes: list[Outcome], keep: bool = False, hand_off: str | None = None,
-              log_claims: bool = False) -> list[dict[str, Any]]:
+    def write(self, job: str, outcomes: list[Outcome], keep: bool = False,
+              hand_off: str | None = None) -> list[dict[str, Any]]:
         """Write a batch's outcomes in one transaction and one round trip (rows no longer claimed by
         us are skipped). ``keep``: rows that are not dropped become ``kept`` (the last screening job).
-        ``hand_off``: in the same transaction, claim the rows just finished and still in the
-        pipeline for that next job and return them, so a worker serving both runs them through
-        without another claim (and without decoding them again)."""
+        ``hand_off``: the same UPDATE claims the rows it finished that are still in the pipeline for
+        that next job (an attempt each, as :meth:`claim` would) and returns them, so a worker
+        serving both runs them through without another claim (and without decoding them again)."""
+        handed = None
         with self.conn.pipeline(), self.conn.transaction():
-            self.write_in_transaction(job, outcomes, keep)
-            cur = None
-            if hand_off is not None:
-                ids = [o.id for o in outcomes if o.error is None and o.drop is None]
-                cur = self.conn.execute(f"WITH chosen AS (SELECT id FROM images WHERE id = ANY(%(ids)s) AND "
-                                        f"{_claimable(hand_off)}), " + _take(hand_off, "chosen"),
-                                        self._params(ids=ids, log=log_claims))
-        return [] if cur is None else self._rows(cur)
+            done = [o for o in outcomes if o.error is None]
+            failed = [o for o in outcomes if o.error is not None]
+            if done:
+                handed = self._write_done(job, done, keep, hand_off)
+            if failed:
+                self._write_failed(job, failed)
+        return [] if handed is None else self._rows(handed)
 
-    def write_in_transaction(self, job: str, outcomes: list[Outcome], keep: bool = False) -> None:
-        done = [o for o in outcomes if o.error is None]
-        failed = [o for o in outcomes if o.error is not None]
-        if done:
-            columns = RESULT_COLUMNS[job]
-            names = ["id", "drop_reason", "drop_score", "detail", *columns]
-            types = ["bigint", "text", "real", "text", *("text" if t in ("jsonb", "integer[]") else t for t in columns.values())]
-            arrays = [[o.id for o in done], [o.drop for o in done], [o.score for o in done], [o.detail for o in done]]
-            for name, sql_type in columns.items():
-                values = [o.values.get(name) for o in done]
-                if sql_type == "jsonb":
-                    values = [None if v is None else json.dumps(v) for v in values]
-                elif sql_type == "integer[]":  # unnest flattens arrays of arrays: pass Postgres array text
-                    values = [None if v is None else "{" + ",".join(str(int(x)) for x in v) + "}" for v in values]
-                arrays.append(values)
-            casts = {name: f"v.{name}::{columns[name]}" for name in columns}
-            sets = ", ".join(f"{name} = {casts[name]}" for name in columns)
-            kept = "'kept'" if keep else "i.status"
-            self.conn.execute(
-                f"UPDATE images i SET {sets + ', ' if sets else ''}{job}_done_at = clock_timestamp(), "
-                f"{job}_claimed_by = NULL, {job}_error = v.detail, "
-                f"status = CASE WHEN v.drop_reason IS NOT NULL THEN 'dropped' ELSE {kept} END, "
-                f"drop_reason = coalesce(v.drop_reason, i.drop_reason), drop_score = coalesce(v.drop_score, i.drop_score), "
-                f"drop_job = CASE WHEN v.drop_reason IS NOT NULL THEN '{job}' ELSE i.drop_job END "
-                f"FROM unnest({', '.join(f'%s::{t}[]' for t in types)}) AS v({', '.join(names)}) "
-                f"WHERE i.id = v.id AND i.{job}_claimed_by = pg_backend_pid()", arrays)
-            self.release_log(job, [o.id for o in done], "done")
-        if failed:
-            self.conn.execute(
-                f"UPDATE images i SET {job}_error = v.error, {job}_claimed_by = NULL, "
-                f"status = CASE WHEN i.{job}_attempts >= %s THEN 'failed' ELSE i.status END, "
-                f"drop_reason = CASE WHEN i.{job}_attempts >= %s THEN 'failed:{job}' ELSE i.drop_reason END, "
-                f"drop_job = CASE WHEN i.{job}_attempts >= %s THEN '{job}' ELSE i.drop_job END "
-                f"FROM unnest(%s::bigint[], %s::text[]) AS v(id, error) "
-                f"WHERE i.id = v.id AND i.{job}_claimed_by = pg_backend_pid()",
-                (self.queue.max_attempts,) * 3 + ([o.id for o in failed], [o.error for o in failed]))
-            self.release_log(job, [o.id for o in failed], "error")
+    def _write_done(self, job: str, done: list[Outcome], keep: bool, hand_off: str | None):
+        columns = RESULT_COLUMNS[job]
+        names = ["id", "drop_reason", "drop_score", "detail", *columns]
+        types = ["bigint", "text", "real", "text", *("text" if t in ("jsonb", "integer[]") else t for t in columns.values())]
+        arrays = [[o.id for o in done], [o.drop for o in done], [o.score for o in done], [o.detail for o in done]]
+        for name, sql_type in columns.items():
+            values = [o.values.get(name) for o in done]
+            if sql_type == "jsonb":
+                values = [None if v is None else json.dumps(v) for v in values]
+            elif sql_type == "integer[]":  # unnest flattens arrays of arrays: pass Postgres array text
+                values = [None if v is None else "{" + ",".join(str(int(x)) for x in v) + "}" for v in values]
+            arrays.append(values)
+        sets = [f"{name} = v.{name}::{sql_type}" for name, sql_type in columns.items()]
+        kept = "'kept'" if keep else "i.status"
+        returning = ""
+        if hand_off is not None:
+            # A row just finished upstream was never seen by the next job: it is ours to claim
+            # unless this job dropped it.
+            fresh = f"(v.drop_reason IS NULL AND i.{hand_off}_done_at IS NULL AND i.{hand_off}_claimed_by IS NULL)"
+            sets += [f"{hand_off}_last_tried_at = CASE WHEN {fresh} THEN clock_timestamp() ELSE i.{hand_off}_last_tried_at END",
+                     f"{hand_off}_attempts = i.{hand_off}_attempts + {fresh}::int",
+                     f"{hand_off}_claimed_by = CASE WHEN {fresh} THEN pg_backend_pid() ELSE i.{hand_off}_claimed_by END"]
+            returning = (f" RETURNING {', '.join(f'i.{c}' for c in CLAIM_COLUMNS)}, "
+                         f"i.{hand_off}_last_tried_at AS claimed_at, i.{hand_off}_claimed_by AS holder")
+        update = (f"UPDATE images i SET {''.join(s + ', ' for s in sets)}{job}_done_at = clock_timestamp(), "
+                  f"{job}_claimed_by = NULL, {job}_error = v.detail, "
+                  f"status = CASE WHEN v.drop_reason IS NOT NULL THEN 'dropped' ELSE {kept} END, "
+                  f"drop_reason = coalesce(v.drop_reason, i.drop_reason), drop_score = coalesce(v.drop_score, i.drop_score), "
+                  f"drop_job = CASE WHEN v.drop_reason IS NOT NULL THEN '{job}' ELSE i.drop_job END "
+                  f"FROM unnest({', '.join(f'%s::{t}[]' for t in types)}) AS v({', '.join(names)}) "
+                  f"WHERE i.id = v.id AND i.{job}_claimed_by = pg_backend_pid()")
+        self.release_log(job, [o.id for o in done], "done")
+        if hand_off is None:
+            self.conn.execute(update, arrays)
+            return None
+        return self.conn.execute(
+            f"WITH written AS ({update}{returning}), "
+            f"taken AS (SELECT * FROM written WHERE holder = pg_backend_pid()), "
+            f"logged AS (INSERT INTO claim_log (job, image_id, worker, backend_pid, claimed_at) "
+            f"SELECT '{hand_off}', id, %s, pg_backend_pid(), claimed_at FROM taken WHERE %s) "
+            f"SELECT {', '.join(CLAIM_COLUMNS)}, claimed_at FROM taken", [*arrays, self.worker, self.log_claims])
+
+    def _write_failed(self, job: str, failed: list[Outcome]) -> None:
+        self.conn.execute(
+            f"UPDATE images i SET {job}_error = v.error, {job}_claimed_by = NULL, "
+            f"status = CASE WHEN i.{job}_attempts >= %s THEN 'failed' ELSE i.status END, "
+            f"drop_reason = CASE WHEN i.{job}_attempts >= %s THEN 'failed:{job}' ELSE i.drop_reason END, "
+            f"drop_job = CASE WHEN i.{job}_attempts >= %s THEN '{job}' ELSE i.drop_job END "
+            f"FROM unnest(%s::bigint[], %s::text[]) AS v(id, error) "
+            f"WHERE i.id = v.id AND i.{job}_claimed_by = pg_backend_pid()",
+            (self.queue.max_attempts,) * 3 + ([o.id for o in failed], [o.error for o in failed]))
+        self.release_log(job, [o.id for o in failed], "error")
 
     def waiting(self, jobs: Iterable[str]) -> bool:
         """True while rows for ``jobs`` may still come: a live worker holds rows of these jobs or of

@@ -39,8 +39,7 @@ class ProbeJob:
     def ready(self, warehouse: Warehouse) -> bool:
         return True
 
-    def run(self, warehouse: Warehouse, rows: list[dict], hand_off: str | None = None,
-            log_claims: bool = False) -> list[dict]:
+    def run(self, warehouse: Warehouse, rows: list[dict], hand_off: str | None = None) -> list[dict]:
         outcomes = []
         self.decoded.clear()
         crash_on = os.environ.get(CRASH_HOOK)
@@ -51,7 +50,7 @@ class ProbeJob:
             outcomes.append(outcome)
             if rgb is not None and hand_off == "filter":
                 self.decoded.keep(row["id"], rgb)
-        handed = warehouse.write("probe", outcomes, hand_off=hand_off, log_claims=log_claims)
+        handed = warehouse.write("probe", outcomes, hand_off=hand_off)
         if hand_off != "filter":
             self.decoded.clear()
         return handed
@@ -66,11 +65,10 @@ class FilterJob:
     def ready(self, warehouse: Warehouse) -> bool:
         return True
 
-    def run(self, warehouse: Warehouse, rows: list[dict], hand_off: str | None = None,
-            log_claims: bool = False) -> list[dict]:
+    def run(self, warehouse: Warehouse, rows: list[dict], hand_off: str | None = None) -> list[dict]:
         outcomes = [filter_row(row, self.config, self.decoded) for row in rows]
         self.decoded.clear()
-        return warehouse.write("filter", outcomes, hand_off=hand_off, log_claims=log_claims)
+        return warehouse.write("filter", outcomes, hand_off=hand_off)
 
 
 def make_job(name: str, config: CurationConfig, decoded: DecodedImages | None = None):
@@ -116,6 +114,7 @@ def work(warehouse: Warehouse, config: CurationConfig, jobs: list[str], batch_si
     A claimed batch runs through every following job this worker serves (probe -> filter -> dedup):
     each write claims the surviving rows for the next job in the same transaction."""
     batch_size = batch_size or config.queue.batch_size
+    warehouse.log_claims = log_claims
     decoded = DecodedImages()
     runners = {job: make_job(job, config, decoded) for job in jobs}
     handled: Counter = Counter()
@@ -124,12 +123,12 @@ def work(warehouse: Warehouse, config: CurationConfig, jobs: list[str], batch_si
         for first in jobs:
             if not runners[first].ready(warehouse):
                 continue
-            job, rows = first, warehouse.claim(first, batch_size, log_claims)
+            job, rows = first, warehouse.claim(first, batch_size)
             while rows:
                 following = next((j for j in jobs if UPSTREAM[j] == job and j in HANDS_OFF), None)
                 try:
                     runner = runners[job]
-                    handed = (runner.run(warehouse, rows, following, log_claims) if following
+                    handed = (runner.run(warehouse, rows, following) if following
                               else runner.run(warehouse, rows)) or []
                 except Exception as err:  # the batch's rows go back to the queue with the error
                     logger.warning("%s batch of %d rows failed: %s", job, len(rows), err)
