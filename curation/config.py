@@ -84,8 +84,9 @@ class DedupConfig:
 
 @dataclass
 class CaptionConfig:
-    model: str = "tiny-random"
-    """The pipeline's Qwen3-VL (a Krea 2 folder / its text_encoder), any transformers VLM id, or tiny-random."""
+    model: str = "Qwen/Qwen3-VL-4B-Instruct"
+    """The pipeline's Qwen3-VL (its hub id, a Krea 2 folder or its text_encoder), any transformers
+    Qwen-VL id, or tiny-random (RANDOM weights: only with ``--allow-random-weights``)."""
     max_new_tokens: int = 256
     rewrite_max_new_tokens: int = 96
     max_pixels: int = 448 * 448
@@ -94,8 +95,9 @@ class CaptionConfig:
 
 @dataclass
 class EmbedConfig:
-    model: str = "tiny-random"
-    """A transformers vision encoder (e.g. google/siglip2-base-patch16-224, facebook/dinov2-small) or tiny-random."""
+    model: str = "google/siglip2-base-patch16-224"
+    """A transformers vision encoder (SigLIP-2, DINOv2: e.g. facebook/dinov2-small) or tiny-random
+    (RANDOM weights: only with ``--allow-random-weights``)."""
     batch_size: int = 32
 
 

@@ -16,7 +16,7 @@ from .warehouse import Warehouse
 
 
 def worker_command(location: list[str], jobs: list[str], batch_size: int | None, config: str | None,
-                   log_claims: bool = False) -> list[str]:
+                   log_claims: bool = False, allow_random_weights: bool = False) -> list[str]:
     command = [sys.executable, "-m", "curation", "work", *location, "--jobs", ",".join(jobs)]
     if batch_size:
         command += ["--batch", str(batch_size)]
@@ -24,6 +24,8 @@ def worker_command(location: list[str], jobs: list[str], batch_size: int | None,
         command += ["--config", config]
     if log_claims:
         command.append("--claim-log")
+    if allow_random_weights:
+        command.append("--allow-random-weights")
     return command
 
 

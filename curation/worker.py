@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 import traceback
 from collections import Counter
@@ -19,6 +20,7 @@ from collections import Counter
 from .config import CurationConfig
 from .schema import JOBS, UPSTREAM
 from .screening import DecodedImages, filter_row, probe_row
+from .server import WarehouseError
 from .warehouse import Outcome, Warehouse
 
 logger = logging.getLogger(__name__)
@@ -71,10 +73,43 @@ class FilterJob:
         return warehouse.write("filter", outcomes, hand_off=hand_off)
 
 
-def make_job(name: str, config: CurationConfig, decoded: DecodedImages | None = None):
+class ModelUnavailable(WarehouseError):
+    """A job's model cannot be used (random weights not allowed, absent offline): the worker stops
+    with this message instead of charging every row an attempt."""
+
+
+def check_model(job: str, config: CurationConfig, allow_random_weights: bool) -> None:
+    """Refuse a model-backed job's ``tiny-random`` unless allowed; announce it as the pipeline does
+    when it is."""
+    from krea2_diffusers.models.tiny import TINY_LABEL, is_tiny
+
+    model = {"caption": config.caption.model, "embed": config.embed.model}.get(job)
+    if not is_tiny(model):
+        return
+    if not allow_random_weights:
+        raise ModelUnavailable(f"{job}.model is {TINY_LABEL}; pass --allow-random-weights to run {job} with it "
+                               f"anyway, or name a real model in --config ({job}: {{model: ...}})")
+    logger.warning("Loaded %s", TINY_LABEL)
+    print(f"krea2 curate {job}: model: {TINY_LABEL}", file=sys.stderr)
+
+
+def load_model(job: str, model: str, loader):
+    """``loader(model)``, with a failure (absent offline, unknown id) turned into one clear line."""
+    try:
+        return loader(model)
+    except (OSError, ValueError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelUnavailable(f"{job}.model {model!r} cannot be loaded ({reason}); download it first (e.g. "
+                               f"`hf download {model}`), name a local folder, or use tiny-random with "
+                               "--allow-random-weights for a dry run") from None
+
+
+def make_job(name: str, config: CurationConfig, decoded: DecodedImages | None = None,
+             allow_random_weights: bool = False):
     """The runner of job ``name``; model-backed jobs import their libraries only here. ``decoded``
     is shared by probe and filter so a row is decoded once per worker."""
     decoded = decoded if decoded is not None else DecodedImages()
+    check_model(name, config, allow_random_weights)
     if name == "probe":
         return ProbeJob(config, decoded)
     if name == "filter":
@@ -108,7 +143,7 @@ def parse_jobs(text: str) -> list[str]:
 
 
 def work(warehouse: Warehouse, config: CurationConfig, jobs: list[str], batch_size: int | None = None,
-         follow: bool = False, log_claims: bool = False) -> Counter:
+         follow: bool = False, log_claims: bool = False, allow_random_weights: bool = False) -> Counter:
     """Serve ``jobs`` until their queues are empty (or forever with ``follow``); returns rows per job.
 
     A claimed batch runs through every following job this worker serves (probe -> filter -> dedup):
@@ -116,7 +151,7 @@ def work(warehouse: Warehouse, config: CurationConfig, jobs: list[str], batch_si
     batch_size = batch_size or config.queue.batch_size
     warehouse.log_claims = log_claims
     decoded = DecodedImages()
-    runners = {job: make_job(job, config, decoded) for job in jobs}
+    runners = {job: make_job(job, config, decoded, allow_random_weights) for job in jobs}
     handled: Counter = Counter()
     while True:
         progressed = False
@@ -130,6 +165,8 @@ def work(warehouse: Warehouse, config: CurationConfig, jobs: list[str], batch_si
                     runner = runners[job]
                     handed = (runner.run(warehouse, rows, following) if following
                               else runner.run(warehouse, rows)) or []
+                except ModelUnavailable:
+                    raise
                 except Exception as err:  # the batch's rows go back to the queue with the error
                     logger.warning("%s batch of %d rows failed: %s", job, len(rows), err)
                     if warehouse.conn.info.transaction_status != 0:  # recover from an aborted transaction

@@ -251,7 +251,7 @@ def test_run_workers_then_captions_embeddings_clusters(server, tmp_path, capsys)
         (corpus / name).with_suffix(".txt").write_text(f"source text of {name}")
     config = tmp_path / "curate.yaml"
     config.write_text(FAST_QUEUE + "caption: {model: tiny-random, max_new_tokens: 4, rewrite_max_new_tokens: 3, "
-                      "max_pixels: 4096}\ncluster: {levels: [2, 1], semantic_threshold: -1.0}\n")
+                      "max_pixels: 4096}\nembed: {model: tiny-random}\ncluster: {levels: [2, 1], semantic_threshold: -1.0}\n")
     store = tmp_path / "store"
     assert krea2(["curate", "init", "--dsn", dsn]) == 0
     assert krea2(["curate", "ingest", str(corpus), "--dsn", dsn]) == 0
@@ -260,9 +260,15 @@ def test_run_workers_then_captions_embeddings_clusters(server, tmp_path, capsys)
     kept = query(dsn, "SELECT id, uri, width::bigint * height AS area FROM images WHERE status = 'kept' ORDER BY id")
     assert sorted(Path(r["uri"]).name for r in kept) == sorted(n for n, f in expected.items() if f == "kept")
 
+    # Random weights only when asked for, and then with the pipeline's notice.
     code, out, err = _cli(capsys, "work", "--dsn", dsn, "--store", store, "--jobs", "caption,embed,cluster",
                           "--batch", 3, "--config", config)
+    assert code == 2 and "--allow-random-weights" in err and "RANDOM WEIGHTS" in err and "Traceback" not in err
+    assert not query(dsn, "SELECT id FROM images WHERE caption_attempts > 0 OR embed_attempts > 0")
+    code, out, err = _cli(capsys, "work", "--dsn", dsn, "--store", store, "--jobs", "caption,embed,cluster",
+                          "--batch", 3, "--config", config, "--allow-random-weights")
     assert code == 0, err
+    assert "model: tiny-random (RANDOM WEIGHTS" in err
     rows = query(dsn, "SELECT * FROM images WHERE dedup_done_at IS NOT NULL AND duplicate_of IS NULL ORDER BY id")
     assert len(rows) == len(kept)
     for row in rows:
@@ -318,3 +324,31 @@ def test_larger_late_arrival_takes_over_its_group(server, tmp_path, capsys):
     assert rows["large.png"]["status"] == "kept" and rows["large.png"]["duplicate_of"] is None
     assert (rows["small.jpg"]["status"], rows["small.jpg"]["drop_reason"], rows["small.jpg"]["duplicate_of"]) == (
         "dropped", "near_duplicate", rows["large.png"]["id"])
+
+
+def test_real_model_defaults_fail_clearly_offline(server, tmp_path, capsys):
+    """caption and embed default to real models (the pipeline's Qwen3-VL, SigLIP-2); absent and
+    offline, the worker stops with one line naming the model before it claims any row."""
+    dsn = database(server, "offline")
+    corpus = tmp_path / "corpus"
+    make_corpus(corpus, photos=1, seed=3, bad=False)
+    config = tmp_path / "curate.yaml"
+    config.write_text(FAST_QUEUE)
+    assert _cli(capsys, "init", "--dsn", dsn)[0] == 0
+    assert _cli(capsys, "ingest", corpus, "--dsn", dsn)[0] == 0
+    assert _cli(capsys, "work", "--dsn", dsn, "--config", config)[0] == 0
+    # A fresh process: the hub library reads HF_HUB_OFFLINE when it is imported.
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"),
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, "-m", "curation", "work", "--dsn", dsn, "--store", str(tmp_path),
+                             "--jobs", "caption", "--config", str(config)], env=env, capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr
+    assert "caption.model 'Qwen/Qwen3-VL-4B-Instruct' cannot be loaded" in result.stderr
+    assert "Traceback" not in result.stderr
+    config.write_text(FAST_QUEUE + f"embed: {{model: {tmp_path / 'no-such-encoder'}}}\n")
+    code, _, err = _cli(capsys, "work", "--dsn", dsn, "--store", tmp_path, "--jobs", "embed", "--config", config)
+    assert code == 2 and "embed.model" in err and "no-such-encoder" in err and "Traceback" not in err
+    assert not query(dsn, "SELECT id FROM images WHERE caption_attempts > 0 OR embed_attempts > 0")
+    from curation.config import CurationConfig
+
+    assert CurationConfig().embed.model == "google/siglip2-base-patch16-224"

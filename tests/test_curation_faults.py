@@ -97,7 +97,7 @@ def test_sixteen_workers_four_killed(server, tmp_path):
     assert krea2(["curate", "ingest", str(tmp_path / "corpus"), "--dsn", dsn]) == 0
 
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    command = [sys.executable, "-m", "curation", "work", "--dsn", dsn, "--batch", "8", "--claim-log",
+    command = [sys.executable, "-m", "curation", "work", "--dsn", dsn, "--batch", "16", "--claim-log",
                "--config", str(config)]
     workers = [subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                for _ in range(16)]
