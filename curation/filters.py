@@ -1,7 +1,8 @@
 """The report's cheap CPU filters, scored on a thumbnail so thresholds do not depend on resolution.
 
 Each check returns a score; :func:`verdict` turns scores into the first failing reason (or None).
-Order matters only for the reason recorded: an all-black image is ``black_white``, not ``flat``.
+Order matters only for the reason recorded: an all-black image is ``black_white``, not ``flat``;
+grey noise is ``noise`` although its colour histogram is also poor.
 """
 
 from __future__ import annotations
@@ -112,9 +113,9 @@ def verdict(values: dict[str, float], config: FilterConfig) -> tuple[str, float]
     checks = (
         ("black_white", values["black_white"] > config.max_black_white_fraction),
         ("flat", values["dominant"] > config.max_dominant_fraction),
+        ("noise", values["neighbour_correlation"] < config.min_neighbour_correlation),
         ("low_entropy", values["entropy"] < config.min_entropy),
         ("border", values["border"] >= config.border_min_fraction),
-        ("noise", values["neighbour_correlation"] < config.min_neighbour_correlation),
     )
     for reason, failed in checks:
         if failed:
