@@ -48,7 +48,7 @@ class FilterConfig:
     min_neighbour_correlation: float = 0.6
     """Noise: the correlation of neighbouring grey pixels of the analysis thumbnail. Uniform or
     Gaussian i.i.d. noise scores ~0.3 at any size and strength (the thumbnail's antialiasing),
-    photographs 0.85-1.0 even with film grain of sigma 8; dense textures (foliage, gravel seen
+    photographs 0.75-1.0 even with film grain of sigma 8; dense textures (foliage, gravel seen
     from afar) sit at 0.6-0.85, so a higher threshold starts dropping them."""
     min_entropy: float = 2.0
     """Bits of the joint RGB histogram (16 levels per channel); a flat or two-tone image is below."""

@@ -25,17 +25,18 @@ BORDER_EDGE_SHARE = 0.5
 
 
 def neighbour_correlation(grey: np.ndarray) -> float:
-    """Mean correlation of horizontally and vertically adjacent pixels of a (H, W) float image.
+    """Autocorrelation at one pixel of a (H, W) float image, horizontally and vertically averaged
+    (normalised by the image's own variance; 1.0 for a flat image).
 
     Scale-free where a gradient energy is not: i.i.d. noise stays near 0 (~0.3 after an antialiased
     downscale) however strong it is and whatever the source size, photographs stay near 1."""
-    values = []
-    for a, b in ((grey[:, 1:], grey[:, :-1]), (grey[1:], grey[:-1])):
-        a = a - a.mean()
-        b = b - b.mean()
-        denominator = np.sqrt(float((a * a).sum(dtype=np.float64)) * float((b * b).sum(dtype=np.float64)))
-        values.append(1.0 if denominator == 0 else float((a * b).sum(dtype=np.float64) / denominator))
-    return float(np.mean(values))
+    centred = grey - grey.mean()
+    energy = float(np.vdot(centred, centred))
+    if energy == 0:
+        return 1.0
+    horizontal = float(np.vdot(centred[:, 1:], centred[:, :-1])) * grey.shape[1] / (grey.shape[1] - 1)
+    vertical = float(np.vdot(centred[1:], centred[:-1])) * grey.shape[0] / (grey.shape[0] - 1)
+    return (horizontal + vertical) / (2 * energy)
 
 
 def colour_histogram(rgb: np.ndarray) -> np.ndarray:
@@ -91,7 +92,10 @@ def border_fraction(rgb: np.ndarray, tolerance: int) -> float:
 
 def thumbnail(image: Image.Image, side: int) -> np.ndarray:
     """(H, W, 3) uint8 RGB with the longer side at most ``side`` (JPEG decodes at reduced size)."""
-    image.draft("RGB", (side, side))
+    # Draft mode decodes a JPEG at 1/2, 1/4 or 1/8 scale, keeping at least the requested size:
+    # ask for the thumbnail's own size, not a side x side box (which a 4:3 image's short side misses).
+    scale = min(1.0, side / max(image.size))
+    image.draft("RGB", (max(1, round(image.width * scale)), max(1, round(image.height * scale))))
     image = image.convert("RGB")
     image.thumbnail((side, side), Image.Resampling.BILINEAR)
     return np.asarray(image)

@@ -46,7 +46,7 @@ def test_noise_is_dropped_and_grainy_photographs_kept(size):
         for data in (_png(picture), copy_of(picture, quality=85)) if small else (copy_of(picture, quality=85),):
             values = scores(_decode(data), CONFIG.filter)
             assert verdict(values, CONFIG.filter) is None, (grain, values)
-            assert values["neighbour_correlation"] > 0.8
+            assert values["neighbour_correlation"] > 0.7
 
 
 def _fingerprint(image_id: int, image: Image.Image | bytes) -> dict:
