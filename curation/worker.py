@@ -32,14 +32,18 @@ HANDS_OFF = ("filter", "dedup")
 """Jobs that take a batch straight from their upstream job's write (probe -> filter -> dedup)."""
 
 
-class ProbeJob:
-    """Probe each row; thumbnails of rows handed to this worker's filter job are kept for it."""
+class ScreeningJob:
+    """A per-row screening job sharing this worker's decoded thumbnails (probe fills, filter takes)."""
 
     def __init__(self, config: CurationConfig, decoded: DecodedImages):
         self.config, self.decoded = config, decoded
 
     def ready(self, warehouse: Warehouse) -> bool:
         return True
+
+
+class ProbeJob(ScreeningJob):
+    """Probe each row; thumbnails of rows handed to this worker's filter job are kept for it."""
 
     def run(self, warehouse: Warehouse, rows: list[dict], hand_off: str | None = None) -> list[dict]:
         outcomes = []
@@ -58,14 +62,8 @@ class ProbeJob:
         return handed
 
 
-class FilterJob:
+class FilterJob(ScreeningJob):
     """Filter each row, from probe's thumbnail when this worker probed it."""
-
-    def __init__(self, config: CurationConfig, decoded: DecodedImages):
-        self.config, self.decoded = config, decoded
-
-    def ready(self, warehouse: Warehouse) -> bool:
-        return True
 
     def run(self, warehouse: Warehouse, rows: list[dict], hand_off: str | None = None) -> list[dict]:
         outcomes = [filter_row(row, self.config, self.decoded) for row in rows]
