@@ -1,21 +1,31 @@
-"""Curation throughput and dedup scaling.
+"""Curation throughput against the decode + hash floor, measured in the same run on the same files.
 
-    python bench/bench_curation.py [--photos 60] [--workers 1 2 4] [--hashes 1000 10000 100000]
+    python bench/bench_curation.py [--images 2000] [--workers N] [--repeats 2] [--json OUT]
+                                   [--hashes 1000 10000 100000]
 
-1. rows/s of probe+filter+dedup with 1, 2 and 4 worker processes (``python -m curation work``,
-   exactly what ``krea2 curate run`` starts) on one synthetic corpus, each count on a fresh
-   database of one embedded Postgres: wall time from start to the last worker's exit, and the
-   queue's own span (first claim to last dedup write) which excludes process start-up.
-2. dedup time as the number of hashes grows from 1e3 to 1e5: the multi-index hash index
-   (insert + query each hash, as the dedup job does) next to a vectorised full scan (numpy XOR +
-   popcount against every earlier hash), in the same process; the ratio shows the scan's
-   quadratic growth against the index's near-linear growth.
+1. Pipeline: probe + filter + dedup through Postgres with ``--workers`` worker processes
+   (``python -m curation work``, what ``krea2 curate run`` starts; default one per core) on a
+   fresh database of one embedded Postgres.
+2. Floor: the same number of processes, each a plain loop over its share of the same files that
+   reads, md5-hashes and fully decodes every image (what any pipeline must at least do).
+Images per core is images / CPU seconds spent (the processes' and, for the pipeline, the Postgres
+server's: its backends included), i.e. the rate of a core the work has to itself; on a machine
+shared with other jobs a wall-clock rate measures the neighbours (both are printed, the JSON
+keeps the wall rates as ``wall_*``). Both run ``--repeats`` times, alternating, and the best run
+of each counts. The corpus: 512x384 JPEG
+photographs (q90), every tenth a cropped, resized, recompressed copy of the one before.
+3. ``--hashes``: the dedup candidate scan's cost per image (insert + query) as the warehouse grows.
+
+``--json OUT`` writes ``{"images_per_s_per_core", "floor_images_per_s_per_core", "workers", ...}``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -31,118 +41,162 @@ sys.path.insert(0, str(REPO))
 from curation.config import DedupConfig  # noqa: E402
 from curation.dedup import HashIndex  # noqa: E402
 from curation.server import EmbeddedServer  # noqa: E402
-from curation.synthetic import make_corpus  # noqa: E402
 
-DEDUP = DedupConfig()
-HASH_BITS, BANDS, MAX_DISTANCE = DEDUP.hash_size ** 2, DEDUP.bands, DEDUP.max_hash_distance
-NEAR_SHARE = 0.1  # share of hashes planted as near copies of earlier ones
+SIZE = (512, 384)
+COPY_EVERY = 10
 
 
-def throughput(server: EmbeddedServer, corpus: Path, workers: int, batch: int) -> dict:
+def make_files(folder: Path, count: int) -> None:
+    from curation.synthetic import copy_of, photo
+
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    picture = None
+    for i in range(count):
+        path = folder / f"i{i:06d}.jpg"
+        if i % COPY_EVERY == COPY_EVERY - 1:
+            path.write_bytes(copy_of(picture, tuple(rng.uniform(0, 0.04, 4)), 0.9, 80))
+        else:
+            picture = photo(rng, SIZE)
+            picture.save(path, quality=90)
+
+
+def floor_shard(corpus: Path, shard: int, shards: int) -> None:
+    """Read, md5 and fully decode every ``shards``-th file from ``shard`` (the floor's loop)."""
+    from PIL import Image
+
+    for path in sorted(corpus.iterdir())[shard::shards]:
+        data = path.read_bytes()
+        hashlib.md5(data).hexdigest()
+        with Image.open(path) as image:
+            image.convert("RGB")
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _server_cpu(server: EmbeddedServer | None) -> float:
+    """CPU seconds of the Postgres server: its live processes plus the backends it has reaped."""
+    import psutil
+
+    if server is None:
+        return 0.0
+    pid = int((server.folder / "pgdata" / "postmaster.pid").read_text().split()[0])
+    postmaster = psutil.Process(pid)
+    total = 0.0
+    for process in [postmaster, *postmaster.children()]:
+        try:
+            times = process.cpu_times()
+        except psutil.Error:  # a backend that ended meanwhile is counted by the postmaster
+            continue
+        total += times.user + times.system + (times.children_user + times.children_system if process is postmaster else 0)
+    return total
+
+
+def timed(command_lines: list[list[str]], server: EmbeddedServer | None = None) -> tuple[float, float]:
+    """Run the processes side by side; returns (wall seconds, CPU seconds of them and of the server)."""
+    cpu, server_cpu, start = _children_cpu(), _server_cpu(server), time.perf_counter()
+    procs = [subprocess.Popen(c, env=_env(), stdout=subprocess.DEVNULL) for c in command_lines]
+    assert all(p.wait() == 0 for p in procs), "a process failed"
+    wall = time.perf_counter() - start
+    return wall, _children_cpu() - cpu + _server_cpu(server) - server_cpu
+
+
+def floor(corpus: Path, workers: int) -> tuple[float, float]:
+    """(images per second per process, images per CPU second) of the floor loop in ``workers`` processes."""
+    count = len(list(corpus.iterdir()))
+    wall, cpu = timed([[sys.executable, __file__, "--floor-shard", str(corpus), str(i), str(workers)]
+                       for i in range(workers)])
+    return count / wall / workers, count / cpu
+
+
+def pipeline(server: EmbeddedServer, corpus: Path, workers: int, batch: int, run: int) -> tuple[float, float]:
+    """(images per second per worker, images per CPU second of workers + Postgres) of probe +
+    filter + dedup through Postgres."""
     import psycopg
 
-    name = f"bench_{workers}"
+    name = f"bench_{run}"
     with psycopg.connect(server.uri("postgres"), autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
         conn.execute(f'CREATE DATABASE "{name}"')
     dsn = server.uri(name)
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    run = [sys.executable, "-m", "curation"]
-    subprocess.run([*run, "init", "--dsn", dsn], check=True, env=env, stdout=subprocess.DEVNULL)
-    subprocess.run([*run, "ingest", str(corpus), "--dsn", dsn], check=True, env=env, stdout=subprocess.DEVNULL)
-    start = time.perf_counter()
-    config = corpus.parent / "fast-retry.yaml"  # the corpus's one missing file must not stall the timing
-    config.write_text("queue: {max_attempts: 2, backoff_s: 0.0}\n")
-    procs = [subprocess.Popen([*run, "work", "--dsn", dsn, "--jobs", "probe,filter,dedup", "--batch", str(batch),
-                               "--config", str(config)],
-                              env=env, stdout=subprocess.DEVNULL) for _ in range(workers)]
-    for proc in procs:
-        proc.wait()
-    wall = time.perf_counter() - start
+    curate = [sys.executable, "-m", "curation"]
+    subprocess.run([*curate, "init", "--dsn", dsn], check=True, env=_env(), stdout=subprocess.DEVNULL)
+    subprocess.run([*curate, "ingest", str(corpus), "--dsn", dsn], check=True, env=_env(), stdout=subprocess.DEVNULL)
+    wall, cpu = timed([[*curate, "work", "--dsn", dsn, "--jobs", "probe,filter,dedup", "--batch", str(batch)]] * workers,
+                      server)
     with psycopg.connect(dsn) as conn:
-        rows, span, pending = conn.execute(
-            "SELECT count(*), extract(epoch FROM greatest(max(probe_done_at), max(filter_done_at), max(dedup_done_at)) "
-            "- min(probe_last_tried_at)), count(*) FILTER (WHERE status = 'pending') FROM images").fetchone()
+        rows, pending, kept, copies = conn.execute(
+            "SELECT count(*), count(*) FILTER (WHERE status = 'pending'), count(*) FILTER (WHERE status = 'kept'), "
+            "count(*) FILTER (WHERE drop_reason = 'near_duplicate') FROM images").fetchone()
     assert pending == 0, f"{pending} rows left pending"
-    return {"workers": workers, "rows": rows, "wall_s": wall, "rows_per_s_wall": rows / wall,
-            "queue_span_s": float(span), "rows_per_s_queue": rows / float(span)}
+    print(f"  pipeline run {run}: {rows} rows in {wall:.2f} s ({cpu:.1f} CPU s), {kept} kept, {copies} near duplicates")
+    return rows / wall / workers, rows / cpu
 
 
-def planted_hashes(n: int, rng: np.random.Generator) -> list[int]:
-    values: list[int] = []
-    for _ in range(n):
-        if values and rng.random() < NEAR_SHARE:
-            flips = rng.choice(HASH_BITS, size=int(rng.integers(0, MAX_DISTANCE)), replace=False)
-            values.append(values[int(rng.integers(len(values)))] ^ sum(1 << int(b) for b in flips))
-        else:
-            values.append(int.from_bytes(rng.bytes(HASH_BITS // 8), "big"))
-    return values
-
-
-def index_time(values: list[int]) -> tuple[float, int]:
-    index = HashIndex(HASH_BITS, BANDS, MAX_DISTANCE)
-    start = time.perf_counter()
-    matches = 0
-    for key, value in enumerate(values):
-        matches += bool(index.query(value))
-        index.add(key, value)
-    return time.perf_counter() - start, matches
-
-
-def scan_time(values: list[int], limit_s: float) -> tuple[float | None, int]:
-    """Full scan against all earlier hashes (numpy); None when it would exceed ``limit_s``."""
-    words = np.array([[(v >> (64 * w)) & (2**64 - 1) for w in range(3)] for v in values], dtype=np.uint64)
-    start = time.perf_counter()
-    matches = 0
-    for i in range(1, len(values)):
-        distance = np.bitwise_count(words[:i] ^ words[i]).sum(1)
-        matches += bool((distance <= MAX_DISTANCE).any())
-        if time.perf_counter() - start > limit_s:
-            return None, matches
-    return time.perf_counter() - start, matches
-
-
-def worker_counts(args) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        corpus = Path(tmp) / "corpus"
-        files = len(make_corpus(corpus, photos=args.photos))
-        print(f"corpus: {files} files ({args.photos} photographs + copies, variants, bad files); {os.cpu_count()} CPUs")
-        server = EmbeddedServer(Path(tmp) / "db", create=True)
-        try:
-            base = None
-            for workers in args.workers:
-                r = throughput(server, corpus, workers, args.batch)
-                base = base or r["rows_per_s_queue"]
-                print(f"probe+filter+dedup  workers={workers}  rows={r['rows']}  wall {r['wall_s']:.2f} s "
-                      f"({r['rows_per_s_wall']:.1f} rows/s)  queue span {r['queue_span_s']:.2f} s "
-                      f"({r['rows_per_s_queue']:.1f} rows/s, x{r['rows_per_s_queue'] / base:.2f} vs first)")
-        finally:
-            server.close()
+def hash_scaling(sizes: list[int]) -> None:
+    config = DedupConfig()
+    bits = config.hash_size ** 2
+    rng = np.random.default_rng(0)
+    for n in sizes:
+        values = [int.from_bytes(rng.bytes(bits // 8), "big") for _ in range(n)]
+        index = HashIndex(bits, config.max_hash_distance)
+        start = time.perf_counter()
+        for key, value in enumerate(values):
+            index.query(value)
+            index.add(key, value)
+        took = time.perf_counter() - start
+        print(f"dedup scan  n={n:>7}  {took:.2f} s  ({took / n * 1e6:.0f} us per image, last queries over {n} hashes)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--photos", type=int, default=60, help="distinct photographs in the corpus (~2.3 files each)")
-    parser.add_argument("--workers", type=int, nargs="*", default=[1, 2, 4], help="worker counts (none: skip)")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--hashes", type=int, nargs="+", default=[1000, 10000, 100000])
-    parser.add_argument("--scan-limit-s", type=float, default=120.0, help="skip the full scan beyond this time")
+    parser.add_argument("--images", type=int, default=2000)
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--json", metavar="OUT", default=None)
+    parser.add_argument("--hashes", type=int, nargs="*", default=[])
+    parser.add_argument("--floor-shard", nargs=3, metavar=("CORPUS", "SHARD", "SHARDS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.floor_shard:
+        floor_shard(Path(args.floor_shard[0]), int(args.floor_shard[1]), int(args.floor_shard[2]))
+        return
     # A timeout's SIGTERM must still stop the embedded server (the finally below).
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
-    if args.workers:
-        worker_counts(args)
-
-    rng = np.random.default_rng(0)
-    for n in args.hashes:
-        values = planted_hashes(n, rng)
-        t_index, m_index = index_time(values)
-        t_scan, m_scan = scan_time(values, args.scan_limit_s)
-        scan = f"{t_scan:.2f} s ({t_scan / t_index:.1f}x the index)" if t_scan is not None else f"> {args.scan_limit_s:.0f} s (stopped)"
-        same = "" if t_scan is None else ("  same matches" if m_scan == m_index else f"  MISMATCH {m_scan} vs {m_index}")
-        print(f"dedup  n={n:>6}  index {t_index:.2f} s ({t_index / n * 1e6:.0f} us/hash, {m_index} matched)  "
-              f"full scan {scan}{same}")
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = Path(tmp) / "corpus"
+        make_files(corpus, args.images)
+        load = os.getloadavg()
+        print(f"corpus: {args.images} JPEGs {SIZE[0]}x{SIZE[1]}; {args.workers} workers on {os.cpu_count()} CPUs; "
+              f"load average {load[0]:.1f}")
+        server = EmbeddedServer(Path(tmp) / "db", create=True)
+        try:
+            ours, floors = [], []
+            for run in range(args.repeats):
+                floors.append(floor(corpus, args.workers))
+                print(f"  floor run {run}: {floors[-1][0]:.1f} images/s per process, {floors[-1][1]:.1f} per CPU second")
+                ours.append(pipeline(server, corpus, args.workers, args.batch, run))
+                print(f"  pipeline run {run}: {ours[-1][0]:.1f} images/s per worker, {ours[-1][1]:.1f} per CPU second")
+        finally:
+            server.close()
+    best = lambda runs, k: max(r[k] for r in runs)  # noqa: E731
+    result = {"images_per_s_per_core": round(best(ours, 1), 2), "floor_images_per_s_per_core": round(best(floors, 1), 2),
+              "workers": args.workers, "images": args.images, "ratio_to_floor": round(best(ours, 1) / best(floors, 1), 3),
+              "wall_images_per_s_per_worker": round(best(ours, 0), 2),
+              "floor_wall_images_per_s_per_process": round(best(floors, 0), 2),
+              "load_average_1m_before": round(load[0], 2), "load_average_1m_after": round(os.getloadavg()[0], 2)}
+    print(json.dumps(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    hash_scaling(args.hashes)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,12 @@ class CaptionJob:
         self.model = self.tokenizer = None
 
     def ready(self, warehouse: Warehouse) -> bool:
+        """Loads the model before the first claim: a model that cannot load stops the worker
+        without charging any row an attempt."""
+        if self.model is None:
+            from .worker import load_model
+
+            self.model, self.tokenizer = load_model("caption", self.config.model, load_captioner)
         return True
 
     def _request(self, source_text: str | None) -> str:
@@ -83,8 +89,6 @@ class CaptionJob:
 
         from .screening import local_path
 
-        if self.model is None:
-            self.model, self.tokenizer = load_captioner(self.config.model)
         outcomes = []
         for row in rows:
             try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -36,10 +37,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         command.add_argument("--jobs", default="probe,filter,dedup", help="comma-separated jobs (default probe,filter,dedup)")
         command.add_argument("--batch", type=int, default=None, help="rows per claim (default: queue.batch_size)")
         command.add_argument("--claim-log", action="store_true", help="record every claim and release in claim_log")
+        command.add_argument("--allow-random-weights", action="store_true",
+                             help="let caption/embed run with model tiny-random (RANDOM weights, for tests)")
         if name == "work":
             command.add_argument("--follow", action="store_true", help="keep waiting for new rows instead of exiting")
         else:
-            command.add_argument("--workers", type=int, default=2, help="local worker processes (default 2)")
+            command.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                                 help="local worker processes (default: one per core)")
             command.add_argument("--no-progress", action="store_true", help="no progress bars")
     status = sub.add_parser("status", help="per-job done / claimable / failed / rows/s")
     _location(status)
@@ -84,18 +88,26 @@ def _dispatch(args: argparse.Namespace) -> int:
         elif command == "work":
             from .worker import parse_jobs, work
 
-            handled = work(warehouse, config, parse_jobs(args.jobs), args.batch, args.follow, args.claim_log)
+            handled = work(warehouse, config, parse_jobs(args.jobs), args.batch, args.follow, args.claim_log,
+                           args.allow_random_weights)
             print(json.dumps(dict(handled)))
         elif command == "run":
             from .pool import run_workers, worker_command
-            from .worker import parse_jobs
+            from .worker import check_model, parse_jobs
 
             jobs = parse_jobs(args.jobs)
             location = ["--db", args.db] if args.db else ["--dsn", args.dsn]
             if args.store:
                 location += ["--store", args.store]
-            failed = run_workers(warehouse, worker_command(location, jobs, args.batch, args.config, args.claim_log),
-                                 args.workers, jobs, config.queue.poll_s, not args.no_progress)
+            if args.workers < 1:
+                raise ValueError(f"--workers must be at least 1, got {args.workers}")
+            for job in jobs:  # refuse random weights here, not once per worker
+                check_model(job, config, args.allow_random_weights)
+            command_line = worker_command(location, jobs, args.batch, args.config, args.claim_log,
+                                          args.allow_random_weights)
+            failed = run_workers(warehouse, command_line,
+                                 args.workers, jobs, config.queue.poll_s, not args.no_progress,
+                                 config.queue.max_attempts)
             if failed:
                 print(f"krea2 curate run: {failed} worker(s) exited with an error", file=sys.stderr)
                 return 1
@@ -132,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         return _dispatch(args)
-    except WarehouseError as err:
+    except WarehouseError as err:  # also a job's model that is unavailable
         print(f"krea2 curate: error: {err}", file=sys.stderr)
         return 2
 

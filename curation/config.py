@@ -45,9 +45,11 @@ class FilterConfig:
     """Long side / short side; panoramas and strips crop badly into any training bucket."""
     analysis_side: int = 256
     """Images are scored at this longer side, so thresholds do not depend on the resolution."""
-    max_laplacian_variance: float = 3_000.0
-    """Extreme texture/noise, on the analysis thumbnail: uniform i.i.d. noise scores ~5,500 after the
-    thumbnail's antialiasing, sharp detailed photographs a few hundred to ~1,500."""
+    min_neighbour_correlation: float = 0.6
+    """Noise: the correlation of neighbouring grey pixels of the analysis thumbnail. Uniform or
+    Gaussian i.i.d. noise scores ~0.3 at any size and strength (the thumbnail's antialiasing),
+    photographs 0.75-1.0 even with film grain of sigma 8; dense textures (foliage, gravel seen
+    from afar) sit at 0.6-0.85, so a higher threshold starts dropping them."""
     min_entropy: float = 2.0
     """Bits of the joint RGB histogram (16 levels per channel); a flat or two-tone image is below."""
     max_black_white_fraction: float = 0.95
@@ -65,24 +67,26 @@ class FilterConfig:
 class DedupConfig:
     hash_size: int = 12
     """Perceptual hash of hash_size**2 bits (low DCT frequencies vs their median)."""
-    max_hash_distance: int = 16
-    """Near duplicates differ in at most this many of the 144 bits (~11%)."""
-    bands: int = 6
-    """Multi-index hashing: the hash is cut into this many bands; a match within max_hash_distance
-    agrees within max_hash_distance // bands bits on some band, so only those buckets are searched.
-    6 bands of 24 bits (radius 2, 301 keys a band) keep buckets nearly empty up to ~1e7 hashes:
-    query time stays flat as the warehouse grows (bench/bench_curation.py). 9 bands of 16 bits
-    (radius 1) are faster below ~2e4 hashes but their buckets fill up linearly."""
+    max_hash_distance: int = 44
+    """Candidate radius in bits: copies cropped by up to 5% a side, resized to 50% and saved at JPEG
+    q60 differ in up to ~40 of the 144 bits, unrelated photographs in 48 or more. Larger widens
+    what alignment must reject (slower), smaller misses cropped copies."""
     colour_grid: int = 4
     """Colour hash: mean chroma (Cb, Cr) of each cell of a colour_grid x colour_grid grid."""
     max_colour_distance: float = 8.0
-    """Mean absolute chroma difference (0-255) above which two same-structure images are distinct."""
+    """Mean absolute chroma difference (0-255) above which two same-structure images are distinct:
+    cropped and recompressed copies score up to ~6, equal-luma colour variants 25 or more."""
+    min_similarity: float = 0.7
+    """Crop-tolerant detail correlation of the two thumbnails (curation.alignment) a candidate
+    needs: copies score 0.85-1.0, photographs sharing only a layout up to ~0.45, unrelated ones
+    ~0.3. Lower merges look-alikes, higher splits heavily recompressed or cropped copies."""
 
 
 @dataclass
 class CaptionConfig:
-    model: str = "tiny-random"
-    """The pipeline's Qwen3-VL (a Krea 2 folder / its text_encoder), any transformers VLM id, or tiny-random."""
+    model: str = "Qwen/Qwen3-VL-4B-Instruct"
+    """The pipeline's Qwen3-VL (its hub id, a Krea 2 folder or its text_encoder), any transformers
+    Qwen-VL id, or tiny-random (RANDOM weights: only with ``--allow-random-weights``)."""
     max_new_tokens: int = 256
     rewrite_max_new_tokens: int = 96
     max_pixels: int = 448 * 448
@@ -91,8 +95,9 @@ class CaptionConfig:
 
 @dataclass
 class EmbedConfig:
-    model: str = "tiny-random"
-    """A transformers vision encoder (e.g. google/siglip2-base-patch16-224, facebook/dinov2-small) or tiny-random."""
+    model: str = "google/siglip2-base-patch16-224"
+    """A transformers vision encoder (SigLIP-2, DINOv2: e.g. facebook/dinov2-small) or tiny-random
+    (RANDOM weights: only with ``--allow-random-weights``)."""
     batch_size: int = 32
 
 
@@ -119,8 +124,12 @@ class CurationConfig:
     def validate(self) -> None:
         if self.queue.batch_size < 1 or self.queue.max_attempts < 1:
             raise ConfigError("queue.batch_size and queue.max_attempts must be at least 1")
-        if self.dedup.bands < 1 or self.dedup.hash_size ** 2 % self.dedup.bands:
-            raise ConfigError(f"dedup.bands ({self.dedup.bands}) must divide the {self.dedup.hash_size ** 2} hash bits")
+        bits = self.dedup.hash_size ** 2
+        if self.dedup.hash_size < 2 or not 0 <= self.dedup.max_hash_distance < bits:
+            raise ConfigError(f"dedup.max_hash_distance ({self.dedup.max_hash_distance}) must lie in [0, {bits}) "
+                              f"for a hash of {bits} bits (dedup.hash_size {self.dedup.hash_size})")
+        if not -1 <= self.dedup.min_similarity <= 1:
+            raise ConfigError(f"dedup.min_similarity ({self.dedup.min_similarity}) is a correlation in [-1, 1]")
         if not self.cluster.levels or min(self.cluster.levels) < 1:
             raise ConfigError(f"cluster.levels must be a non-empty list of positive counts, got {self.cluster.levels}")
 

@@ -61,6 +61,12 @@ class EmbedJob:
         self.model = self.preprocess = None
 
     def ready(self, warehouse: Warehouse) -> bool:
+        """Loads the model before the first claim: a model that cannot load stops the worker
+        without charging any row an attempt."""
+        if self.model is None:
+            from .worker import load_model
+
+            self.model, self.preprocess = load_model("embed", self.config.model, load_encoder)
         return True
 
     def run(self, warehouse: Warehouse, rows: list[dict]) -> None:
@@ -71,8 +77,6 @@ class EmbedJob:
 
         from .screening import local_path
 
-        if self.model is None:
-            self.model, self.preprocess = load_encoder(self.config.model)
         outcomes, images, ids = [], [], []
         for row in rows:
             try:

@@ -7,6 +7,8 @@ hash (the mean chroma of a coarse grid) before two images count as duplicates.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from PIL import Image
 
@@ -14,6 +16,7 @@ PHASH_OVERSAMPLE = 4
 """The DCT runs on a (4 * hash_size)^2 grey thumbnail: low frequencies without aliasing."""
 
 
+@functools.lru_cache(maxsize=8)
 def _dct_matrix(n: int) -> np.ndarray:
     """Orthonormal DCT-II matrix, (n, n): row k is the k-th cosine basis vector."""
     k = np.arange(n)[:, None]

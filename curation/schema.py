@@ -2,7 +2,7 @@
 
 One ``images`` table holds every image's probe results, each job's result columns and its queue
 state (``<job>_done_at``, ``<job>_last_tried_at``, ``<job>_attempts``, ``<job>_error``,
-``<job>_claimed_by``), the final ``status`` and the reason an image was dropped. A database whose
+``<job>_claimed_by``, ``<job>_deaths``), the final ``status`` and the reason an image was dropped. A database whose
 schema is newer than this code is refused: an old worker must never write rows it does not understand.
 """
 
@@ -65,7 +65,24 @@ CREATE TABLE cluster_models (
 );
 """
 
-MIGRATIONS = (_V1,)
+def _status_queue_index(job: str) -> str:
+    # A queue index only on the rows the job serves (pending for screening, kept after it): a row
+    # update inserts into every index whose predicate holds, so a pending row feeds 3 of them, not 6.
+    status = "pending" if job in SCREENING else "kept"
+    return (f"DROP INDEX images_{job}_queue; CREATE INDEX images_{job}_queue ON images ({job}_last_tried_at NULLS FIRST, id) "
+            f"WHERE {job}_done_at IS NULL AND status = '{status}';")
+
+
+_V2 = f"""
+ALTER TABLE images ADD COLUMN thumbnail bytea,
+    {', '.join(f'ADD COLUMN {job}_deaths integer NOT NULL DEFAULT 0' for job in JOBS)};
+{' '.join(_status_queue_index(job) for job in JOBS)}
+"""
+"""Version 2: the alignment thumbnail of near-duplicate verification (a filter result), per job
+the number of workers that died holding the row (each one also counted an attempt), and queue
+indexes restricted to the status each job serves."""
+
+MIGRATIONS = (_V1, _V2)
 """MIGRATIONS[i] takes a database from schema version i to i + 1."""
 SCHEMA_VERSION = len(MIGRATIONS)
 

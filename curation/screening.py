@@ -1,9 +1,13 @@
 """The screening jobs ``probe`` and ``filter``: per-image work on claimed rows, one outcome per row.
 
-``probe`` reads the file (md5, size), checks the header (format, width, height) and decodes it
-fully; ``filter`` scores a thumbnail with the CPU filters and, for images that pass, computes the
-hashes that ``dedup`` compares. File problems that may be transient (missing, unreadable) are
-retryable errors; content problems (empty, not an image, truncated, absurd size) are final drops.
+``probe`` reads the file once (md5, size), checks the header (format, width, height: a header
+beyond the size limits is dropped without decoding) and decodes it once, straight to the
+analysis thumbnail (JPEG decodes at reduced scale in draft mode, which still reads every byte, so
+truncated or corrupt data fails here). ``filter`` scores that thumbnail with the CPU filters and,
+for images that pass, computes what ``dedup`` compares. When one worker serves both, probe hands
+its batch to filter with the decoded thumbnails (:class:`DecodedImages`): one read and one decode
+a row. File problems that may be transient (missing, unreadable) are retryable errors; content
+problems (empty, not an image, truncated, absurd size) are final drops.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ import io
 import warnings
 from pathlib import Path
 
+import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from .alignment import grey_thumbnail
 from .config import CurationConfig
 from .filters import scores, size_verdict, thumbnail, verdict
 from .hashing import colour_hash, perceptual_hash
@@ -44,43 +50,69 @@ def _open(data: bytes) -> Image.Image:
             Image.MAX_IMAGE_PIXELS = limit
 
 
-def probe_row(row: dict, config: CurationConfig) -> Outcome:
+class DecodedImages:
+    """Analysis thumbnails (H, W, 3) uint8 that probe decoded, by row id, for the filter job of
+    the same worker; emptied as filter takes them (one batch's worth at a time)."""
+
+    def __init__(self):
+        self.thumbnails: dict[int, np.ndarray] = {}
+
+    def keep(self, row_id: int, rgb: np.ndarray) -> None:
+        self.thumbnails[row_id] = rgb
+
+    def take(self, row_id: int) -> np.ndarray | None:
+        return self.thumbnails.pop(row_id, None)
+
+    def clear(self) -> None:
+        self.thumbnails.clear()
+
+
+def probe_row(row: dict, config: CurationConfig) -> tuple[Outcome, np.ndarray | None]:
+    """The probe outcome and, when the image decoded, its analysis thumbnail."""
     try:
         data = local_path(row["uri"]).read_bytes()
     except OSError as err:
-        return Outcome(row["id"], error=f"{type(err).__name__}: {err}")
+        return Outcome(row["id"], error=f"{type(err).__name__}: {err}"), None
     values = {"md5": hashlib.md5(data).hexdigest(), "size_bytes": len(data)}
     if not data:
-        return Outcome(row["id"], values, drop="empty_file", score=0.0, detail="zero-byte file")
+        return Outcome(row["id"], values, drop="empty_file", score=0.0, detail="zero-byte file"), None
     try:
         image = _open(data)
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as err:
-        return Outcome(row["id"], values, drop="not_an_image", detail=f"{type(err).__name__}: {err}")
+        return Outcome(row["id"], values, drop="not_an_image", detail=f"{type(err).__name__}: {err}"), None
     values.update(format=image.format, width=image.width, height=image.height)
     pixels = image.width * image.height
     if pixels > config.probe.max_pixels or max(image.size) > config.probe.max_side:
         return Outcome(row["id"], values, drop="too_large", score=float(max(image.size)),
-                       detail=f"header declares {image.width}x{image.height}; not decoded")
+                       detail=f"header declares {image.width}x{image.height}; not decoded"), None
     try:
-        image.load()  # a full decode: truncated or corrupt data fails here, not in training
+        rgb = thumbnail(image, config.filter.analysis_side)  # the one decode: every byte is read
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
-        return Outcome(row["id"], values, drop="broken", detail=f"{type(err).__name__}: {err}")
-    return Outcome(row["id"], values)
+        return Outcome(row["id"], values, drop="broken", detail=f"{type(err).__name__}: {err}"), None
+    return Outcome(row["id"], values), rgb
 
 
-def filter_row(row: dict, config: CurationConfig) -> Outcome:
-    size = size_verdict(row["width"], row["height"], config.filter)
-    if size is not None:
-        return Outcome(row["id"], drop=size[0], score=size[1])
-    try:
-        with _open(local_path(row["uri"]).read_bytes()) as image:
-            rgb = thumbnail(image, config.filter.analysis_side)
-    except OSError as err:
-        return Outcome(row["id"], error=f"{type(err).__name__}: {err}")
+def filter_outcome(row: dict, rgb: np.ndarray, config: CurationConfig) -> Outcome:
+    """Scores of an analysis thumbnail; for images that pass, the hashes and the alignment thumbnail."""
     values = scores(rgb, config.filter)
     failed = verdict(values, config.filter)
     if failed is not None:
         return Outcome(row["id"], {"filter_scores": values}, drop=failed[0], score=failed[1])
     small = Image.fromarray(rgb)
     return Outcome(row["id"], {"filter_scores": values, "phash": perceptual_hash(small, config.dedup.hash_size),
-                               "colour_hash": colour_hash(small, config.dedup.colour_grid)})
+                               "colour_hash": colour_hash(small, config.dedup.colour_grid),
+                               "thumbnail": grey_thumbnail(small)})
+
+
+def filter_row(row: dict, config: CurationConfig, decoded: DecodedImages | None = None) -> Outcome:
+    size = size_verdict(row["width"], row["height"], config.filter)
+    if size is not None:
+        return Outcome(row["id"], drop=size[0], score=size[1])
+    rgb = decoded.take(row["id"]) if decoded is not None else None
+    if rgb is None:  # not probed by this worker: read and decode here
+        try:
+            with _open(local_path(row["uri"]).read_bytes()) as image:
+                rgb = thumbnail(image, config.filter.analysis_side)
+        except OSError as err:
+            return Outcome(row["id"], error=f"{type(err).__name__}: {err}")
+    return filter_outcome(row, rgb, config)

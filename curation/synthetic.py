@@ -1,9 +1,10 @@
 """A synthetic corpus with known answers, for the tests and the benchmark.
 
-Photograph-like images (smooth random fields, shapes, sensor noise), an illustration with a large
-flat background (must be kept), exact copies, recompressed and resized copies, colour variants
-(same luminance, other chroma: a perceptual hash alone cannot tell them apart), and every kind of
-bad file the filters must drop. :func:`make_corpus` returns each file's expected fate.
+Photograph-like images (smooth random fields, shapes, sensor noise), photographs with natural
+(1/f) statistics and film grain, an illustration with a large flat background (must be kept),
+exact copies, cropped, resized and recompressed copies, colour variants (same luminance, other
+chroma: a perceptual hash alone cannot tell them apart), photographs sharing only a layout, pure
+noise, and every kind of bad file the filters must drop. :func:`make_corpus` returns each file's expected fate.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from PIL import Image, ImageDraw
 PHOTO_SIZE = (400, 320)
 
 
-def photo(rng: np.random.Generator, size: tuple[int, int] = PHOTO_SIZE) -> Image.Image:
-    """A smooth random colour field with a few shapes and mild noise (W, H = size)."""
+def photo(rng: np.random.Generator, size: tuple[int, int] = PHOTO_SIZE, layout: np.ndarray | None = None) -> Image.Image:
+    """A smooth random colour field with a few shapes and mild noise (W, H = size). ``layout``: the
+    (6, 8, 3) coarse field to use (photographs that share a layout differ only in their shapes)."""
     w, h = size
-    coarse = rng.uniform(0, 255, (6, 8, 3)).astype(np.uint8)
+    coarse = rng.uniform(0, 255, (6, 8, 3)).astype(np.uint8) if layout is None else layout
     base = np.asarray(Image.fromarray(coarse).resize((w, h), Image.Resampling.BICUBIC), dtype=np.float64)
     image = Image.fromarray(np.clip(base, 0, 255).astype(np.uint8))
     draw = ImageDraw.Draw(image)
@@ -34,6 +36,43 @@ def photo(rng: np.random.Generator, size: tuple[int, int] = PHOTO_SIZE) -> Image
         (draw.ellipse if rng.random() < 0.5 else draw.rectangle)(box, fill=colour)
     pixels = np.asarray(image, dtype=np.float64) + rng.normal(0, 4, (h, w, 3))
     return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+
+
+def layout(rng: np.random.Generator) -> np.ndarray:
+    """A coarse (6, 8, 3) colour field for :func:`photo`."""
+    return rng.uniform(0, 255, (6, 8, 3)).astype(np.uint8)
+
+
+def natural(rng: np.random.Generator, size: tuple[int, int] = PHOTO_SIZE, grain: float = 0.0) -> Image.Image:
+    """Natural image statistics: a colour field with a 1/f amplitude spectrum (detail at every
+    scale, as in photographs of scenes), plus i.i.d. Gaussian film grain of std ``grain``."""
+    w, h = size
+    radius = np.sqrt(np.fft.fftfreq(h)[:, None] ** 2 + np.fft.fftfreq(w)[None] ** 2)
+    radius[0, 0] = 1.0
+    field = np.stack([np.real(np.fft.ifft2(np.fft.fft2(rng.normal(size=(h, w))) / radius)) for _ in range(3)], -1)
+    field = (field - field.mean()) / field.std() * 50 + rng.uniform(90, 160)
+    return Image.fromarray(np.clip(field + rng.normal(0, grain, (h, w, 3)), 0, 255).astype(np.uint8))
+
+
+def noise(rng: np.random.Generator, kind: str, size: tuple[int, int] = PHOTO_SIZE) -> Image.Image:
+    """Pure noise: ``uniform`` RGB, ``gaussian`` RGB (std 40 about a random mean) or ``grey`` Gaussian."""
+    w, h = size
+    if kind == "uniform":
+        return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+    spread = rng.normal(rng.uniform(60, 190), 40, (h, w, 3 if kind == "gaussian" else 1))
+    return Image.fromarray(np.clip(np.repeat(spread, 3 // spread.shape[-1], -1), 0, 255).astype(np.uint8))
+
+
+def copy_of(image: Image.Image, crops: tuple[float, float, float, float] = (0, 0, 0, 0), scale: float = 1.0,
+            quality: int = 90) -> bytes:
+    """A near copy as JPEG bytes: cropped by ``crops`` (left, top, right, bottom shares of the
+    sides), resized by ``scale``, saved at ``quality``."""
+    w, h = image.size
+    left, top, right, bottom = crops
+    image = image.crop((round(left * w), round(top * h), w - round(right * w), h - round(bottom * h)))
+    if scale != 1.0:
+        image = image.resize((round(image.width * scale), round(image.height * scale)), Image.Resampling.LANCZOS)
+    return _jpeg(image, quality)
 
 
 def illustration(rng: np.random.Generator, size: tuple[int, int] = PHOTO_SIZE) -> Image.Image:
@@ -86,18 +125,21 @@ def make_corpus(folder: str | Path, photos: int = 6, seed: int = 0, bad: bool = 
         return folder / name
 
     for i in range(photos):
-        picture = photo(rng)
+        shared = layout(rng)
+        picture = photo(rng, layout=shared)
         original = save(f"p{i:03d}_a.png", _png(picture), "kept")
         if i % 3 == 0:  # exact copy (same bytes)
             shutil.copyfile(original, folder / f"p{i:03d}_b_copy.png")
             expected[f"p{i:03d}_b_copy.png"] = "exact_duplicate"
-        if i % 3 == 1:  # recompressed JPEG, same size
-            save(f"p{i:03d}_c_recompressed.jpg", _jpeg(picture, 70), "near_duplicate")
-        if i % 3 == 2:  # downscaled to 80% (still above min_side)
-            small = picture.resize((PHOTO_SIZE[0] * 4 // 5, PHOTO_SIZE[1] * 4 // 5), Image.Resampling.LANCZOS)
-            save(f"p{i:03d}_d_resized.jpg", _jpeg(small, 90), "near_duplicate")
+        if i % 3 == 1:  # cropped by 3-5% on every side, JPEG q60, same scale
+            save(f"p{i:03d}_c_cropped.jpg", copy_of(picture, tuple(rng.uniform(0.03, 0.05, 4)), 1.0, 60), "near_duplicate")
+        if i % 3 == 2:  # cropped by up to 3% a side, resized to 88% (above min_side), JPEG q75
+            save(f"p{i:03d}_d_resized.jpg", copy_of(picture, tuple(rng.uniform(0, 0.03, 4)), 0.88, 75), "near_duplicate")
         if i % 2 == 0:  # colour variant: kept apart
             save(f"p{i:03d}_e_colour.png", _png(colour_variant(picture)), "kept")
+        else:  # the same layout, other shapes: kept apart
+            save(f"p{i:03d}_f_layout.png", _png(photo(rng, layout=shared)), "kept")
+        save(f"g{i:03d}_grainy.jpg", _jpeg(natural(rng, grain=8.0), 90), "kept")  # film grain sigma 8
     save("q_illustration.png", _png(illustration(rng)), "kept")
     if not bad:
         return expected
@@ -110,7 +152,9 @@ def make_corpus(folder: str | Path, photos: int = 6, seed: int = 0, bad: bool = 
     letterbox = np.zeros((320, 400, 3), np.uint8)
     letterbox[50:270] = np.asarray(photo(rng, (400, 220)))
     save("r_letterbox.jpg", _jpeg(Image.fromarray(letterbox), 92), "border")
-    save("r_noise.png", _png(Image.fromarray(rng.integers(0, 256, (320, 400, 3), dtype=np.uint8))), "noise")
+    save("r_noise.png", _png(noise(rng, "uniform")), "noise")
+    save("r_noise_gaussian.jpg", _jpeg(noise(rng, "gaussian", (512, 384)), 90), "noise")
+    save("r_noise_grey.png", _png(noise(rng, "grey", (640, 480))), "noise")
     save("r_blank.png", _png(Image.new("RGB", (400, 320), (255, 255, 255))), "black_white")
     save("r_tiny.png", _png(photo(rng, (64, 48))), "too_small")
     save("r_1x1.png", _png(Image.new("RGB", (1, 1), (10, 20, 30))), "too_small")

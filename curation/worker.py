@@ -1,7 +1,8 @@
 """One worker: claim -> work -> write, for any subset of the jobs, until its queues are drained.
 
-The loop takes one batch of each served job in pipeline order (so a single worker also feeds its
-own downstream jobs) and, when nothing is claimable, either waits (``follow``, or rows that could
+The loop takes one batch of each served job in pipeline order and runs it through the following
+jobs it serves (probe -> filter -> dedup: each write claims the survivors for the next job in the
+same transaction, and filter reuses probe's decoded thumbnails) and, when nothing is claimable, either waits (``follow``, or rows that could
 still feed its queues are held by live workers or waiting out a back-off) or exits. A batch that
 raises outside the per-row handling is recorded as a retryable error on every row it held.
 """
@@ -9,41 +10,108 @@ raises outside the per-row handling is recorded as a retryable error on every ro
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import sys
 import time
 import traceback
 from collections import Counter
-from typing import Callable
 
 from .config import CurationConfig
-from .schema import JOBS
+from .schema import JOBS, UPSTREAM
+from .screening import DecodedImages, filter_row, probe_row
+from .server import WarehouseError
 from .warehouse import Outcome, Warehouse
 
 logger = logging.getLogger(__name__)
 
+CRASH_HOOK = "KREA2_CURATION_CRASH_ON"
+"""Test hook (environment): a worker about to probe a URI ending with this value kills itself
+with SIGKILL, as a decoder segfault or the OOM killer would (tests/test_curation_faults.py)."""
+HANDS_OFF = ("filter", "dedup")
+"""Jobs that take a batch straight from their upstream job's write (probe -> filter -> dedup)."""
 
-class RowJob:
-    """A job that handles each row on its own (probe, filter)."""
 
-    def __init__(self, name: str, fn: Callable[[dict, CurationConfig], Outcome], config: CurationConfig):
-        self.name, self.fn, self.config = name, fn, config
+class ScreeningJob:
+    """A per-row screening job sharing this worker's decoded thumbnails (probe fills, filter takes)."""
+
+    def __init__(self, config: CurationConfig, decoded: DecodedImages):
+        self.config, self.decoded = config, decoded
 
     def ready(self, warehouse: Warehouse) -> bool:
         return True
 
-    def run(self, warehouse: Warehouse, rows: list[dict]) -> None:
-        warehouse.write(self.name, [self.fn(row, self.config) for row in rows])
+
+class ProbeJob(ScreeningJob):
+    """Probe each row; thumbnails of rows handed to this worker's filter job are kept for it."""
+
+    def run(self, warehouse: Warehouse, rows: list[dict], hand_off: str | None = None) -> list[dict]:
+        outcomes = []
+        self.decoded.clear()
+        crash_on = os.environ.get(CRASH_HOOK)
+        for row in rows:
+            if crash_on and row["uri"].endswith(crash_on):
+                os.kill(os.getpid(), signal.SIGKILL)
+            outcome, rgb = probe_row(row, self.config)
+            outcomes.append(outcome)
+            if rgb is not None and hand_off == "filter":
+                self.decoded.keep(row["id"], rgb)
+        handed = warehouse.write("probe", outcomes, hand_off=hand_off)
+        if hand_off != "filter":
+            self.decoded.clear()
+        return handed
 
 
-def make_job(name: str, config: CurationConfig):
-    """The runner of job ``name``; model-backed jobs import their libraries only here."""
+class FilterJob(ScreeningJob):
+    """Filter each row, from probe's thumbnail when this worker probed it."""
+
+    def run(self, warehouse: Warehouse, rows: list[dict], hand_off: str | None = None) -> list[dict]:
+        outcomes = [filter_row(row, self.config, self.decoded) for row in rows]
+        self.decoded.clear()
+        return warehouse.write("filter", outcomes, hand_off=hand_off)
+
+
+class ModelUnavailable(WarehouseError):
+    """A job's model cannot be used (random weights not allowed, absent offline): the worker stops
+    with this message instead of charging every row an attempt."""
+
+
+def check_model(job: str, config: CurationConfig, allow_random_weights: bool) -> None:
+    """Refuse a model-backed job's ``tiny-random`` unless allowed; announce it as the pipeline does
+    when it is."""
+    from krea2_diffusers.models.tiny import TINY_LABEL, is_tiny
+
+    model = {"caption": config.caption.model, "embed": config.embed.model}.get(job)
+    if not is_tiny(model):
+        return
+    if not allow_random_weights:
+        raise ModelUnavailable(f"{job}.model is {TINY_LABEL}; pass --allow-random-weights to run {job} with it "
+                               f"anyway, or name a real model in --config ({job}: {{model: ...}})")
+    logger.warning("Loaded %s", TINY_LABEL)
+    print(f"krea2 curate {job}: model: {TINY_LABEL}", file=sys.stderr)
+
+
+def load_model(job: str, model: str, loader):
+    """``loader(model)``, with a failure (absent offline, unknown id) turned into one clear line."""
+    try:
+        return loader(model)
+    except (OSError, ValueError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelUnavailable(f"{job}.model {model!r} cannot be loaded ({reason}); download it first (e.g. "
+                               f"`hf download {model}`), name a local folder, or use tiny-random with "
+                               "--allow-random-weights for a dry run") from None
+
+
+def make_job(name: str, config: CurationConfig, decoded: DecodedImages | None = None,
+             allow_random_weights: bool = False):
+    """The runner of job ``name``; model-backed jobs import their libraries only here. ``decoded``
+    is shared by probe and filter so a row is decoded once per worker."""
+    decoded = decoded if decoded is not None else DecodedImages()
+    check_model(name, config, allow_random_weights)
     if name == "probe":
-        from .screening import probe_row
-
-        return RowJob(name, probe_row, config)
+        return ProbeJob(config, decoded)
     if name == "filter":
-        from .screening import filter_row
-
-        return RowJob(name, filter_row, config)
+        return FilterJob(config, decoded)
     if name == "dedup":
         from .dedup import DedupJob
 
@@ -73,34 +141,43 @@ def parse_jobs(text: str) -> list[str]:
 
 
 def work(warehouse: Warehouse, config: CurationConfig, jobs: list[str], batch_size: int | None = None,
-         follow: bool = False, log_claims: bool = False) -> Counter:
-    """Serve ``jobs`` until their queues are empty (or forever with ``follow``); returns rows per job."""
+         follow: bool = False, log_claims: bool = False, allow_random_weights: bool = False) -> Counter:
+    """Serve ``jobs`` until their queues are empty (or forever with ``follow``); returns rows per job.
+
+    A claimed batch runs through every following job this worker serves (probe -> filter -> dedup):
+    each write claims the surviving rows for the next job in the same transaction."""
     batch_size = batch_size or config.queue.batch_size
-    runners = {job: make_job(job, config) for job in jobs}
+    warehouse.log_claims = log_claims
+    decoded = DecodedImages()
+    runners = {job: make_job(job, config, decoded, allow_random_weights) for job in jobs}
     handled: Counter = Counter()
     while True:
         progressed = False
-        for job in jobs:
-            runner = runners[job]
-            if not runner.ready(warehouse):
+        for first in jobs:
+            if not runners[first].ready(warehouse):
                 continue
-            rows = warehouse.claim(job, batch_size, log_claims)
-            if not rows:
-                continue
-            try:
-                runner.run(warehouse, rows)
-            except Exception as err:  # the batch's rows go back to the queue with the error
-                logger.warning("%s batch of %d rows failed: %s", job, len(rows), err)
-                if warehouse.conn.info.transaction_status != 0:  # recover from an aborted transaction
-                    warehouse.conn.rollback()
-                message = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=3)}"
-                warehouse.write(job, [Outcome(row["id"], error=message) for row in rows])
-            handled[job] += len(rows)
-            progressed = True
+            job, rows = first, warehouse.claim(first, batch_size)
+            while rows:
+                following = next((j for j in jobs if UPSTREAM[j] == job and j in HANDS_OFF), None)
+                try:
+                    runner = runners[job]
+                    handed = (runner.run(warehouse, rows, following) if following
+                              else runner.run(warehouse, rows)) or []
+                except ModelUnavailable:
+                    raise
+                except Exception as err:  # the batch's rows go back to the queue with the error
+                    logger.warning("%s batch of %d rows failed: %s", job, len(rows), err)
+                    if warehouse.conn.info.transaction_status != 0:  # recover from an aborted transaction
+                        warehouse.conn.rollback()
+                    message = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=3)}"
+                    warehouse.write(job, [Outcome(row["id"], error=message) for row in rows])
+                    handed = []
+                handled[job] += len(rows)
+                progressed = True
+                job, rows = following, handed
         if progressed:
             continue
         if follow or warehouse.waiting(jobs):
             time.sleep(config.queue.poll_s)
             continue
         return handled
-

@@ -1,19 +1,18 @@
 """Curation warehouse: the pinned CLI, filter/dedup verdicts on a corpus with known answers, a crash
 of one of three parallel workers, retries, bad input, and export into a krea2-pack-v1 pack.
 
-One embedded Postgres (pgserver) serves the whole module; each case that needs a clean warehouse
-gets its own database on it (``--dsn``), the pinned ``--db DIR`` form attaches to the running server.
+One embedded Postgres (pgserver, tests/curation_warehouse.py) serves every curation test module; each
+case that needs a clean warehouse gets its own database on it (``--dsn``), the pinned ``--db DIR``
+form attaches to the running server.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,37 +22,9 @@ import pytest
 
 from curation.dedup import HashIndex
 from curation.hashing import hash_int
-from curation.server import EmbeddedServer
 from curation.synthetic import make_corpus
+from curation_warehouse import FAST_QUEUE, REPO, database, query, server  # noqa: F401 (server: a fixture)
 from krea2_diffusers.cli import main as krea2
-
-FAST_QUEUE = "queue: {max_attempts: 2, backoff_s: 0.0, poll_s: 0.1}\n"
-REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="session")
-def server():
-    # Not under pytest's tmp_path: run as root, Postgres runs as another user that must traverse
-    # the parents, and every pytest session resets /tmp/pytest-of-<user> to 0700.
-    folder = Path(tempfile.mkdtemp(prefix="krea2-curation-"))
-    handle = EmbeddedServer(folder / "db", create=True)
-    yield handle
-    handle.close()
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-def _database(server, name: str) -> str:
-    with psycopg.connect(server.uri("postgres"), autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
-        conn.execute(f'CREATE DATABASE "{name}"')
-    return server.uri(name)
-
-
-def _rows(dsn: str, sql: str, params=()) -> list[dict]:
-    with psycopg.connect(dsn) as conn:
-        cur = conn.execute(sql, params)
-        names = [d.name for d in cur.description]
-        return [dict(zip(names, r)) for r in cur.fetchall()]
 
 
 def _cli_raw(capsys, *argv) -> tuple[int, str, str]:
@@ -82,7 +53,7 @@ def test_corpus_verdicts_status_and_export(server, tmp_path, capsys):
     code, out, err = _cli(capsys, "work", "--db", db, "--jobs", "probe,filter,dedup", "--batch", "4", "--config", config)
     assert code == 0, err
 
-    rows = {Path(r["uri"]).name: r for r in _rows(server.dsn, "SELECT * FROM images")}
+    rows = {Path(r["uri"]).name: r for r in query(server.dsn, "SELECT * FROM images")}
     assert set(rows) == set(expected)
     assert not [n for n, r in rows.items() if r["status"] not in ("kept", "dropped", "failed")]
     fates = {n: r["status"] if r["status"] in ("kept", "failed") else r["drop_reason"] for n, r in rows.items()}
@@ -141,7 +112,7 @@ def test_corpus_verdicts_status_and_export(server, tmp_path, capsys):
 def test_three_workers_one_killed(server, tmp_path):
     """Three worker processes; one is killed -9 while it holds a batch. The queue drains, every row
     gets a status, and the claim log shows no row claimed by two live workers at once."""
-    dsn = _database(server, "workers")
+    dsn = database(server, "workers")
     corpus = tmp_path / "corpus"
     expected = make_corpus(corpus, photos=18, seed=1)
     config = tmp_path / "curate.yaml"
@@ -175,12 +146,12 @@ def test_three_workers_one_killed(server, tmp_path):
     for process in others:
         assert process.wait(timeout=180) == 0, process.stderr.read().decode()
 
-    rows = _rows(dsn, "SELECT uri, status, drop_reason FROM images")
+    rows = query(dsn, "SELECT uri, status, drop_reason FROM images")
     assert len(rows) == len(expected)
     fates = {Path(r["uri"]).name: r["status"] if r["status"] in ("kept", "failed") else r["drop_reason"] for r in rows}
     assert fates == expected
 
-    claims = _rows(dsn, "SELECT job, image_id, worker, claimed_at, released_at FROM claim_log ORDER BY job, image_id, claimed_at")
+    claims = query(dsn, "SELECT job, image_id, worker, claimed_at, released_at FROM claim_log ORDER BY job, image_id, claimed_at")
     abandoned = [c for c in claims if c["released_at"] is None]
     assert abandoned and all(c["worker"].endswith(f":{victim.pid}") for c in abandoned)
     by_row: dict[tuple, list[dict]] = {}
@@ -203,7 +174,7 @@ def test_bad_connections_schema_and_backoff(server, tmp_path, capsys):
     code, _, err = _cli(capsys, "status", "--db", tmp_path / "nothing-here")
     assert code == 2 and "no warehouse" in err and "krea2 curate init" in err
 
-    dsn = _database(server, "schema")
+    dsn = database(server, "schema")
     code, _, err = _cli(capsys, "status", "--dsn", dsn)
     assert code == 2 and "krea2 curate init" in err
     assert _cli(capsys, "init", "--dsn", dsn)[0] == 0
@@ -217,7 +188,7 @@ def test_bad_connections_schema_and_backoff(server, tmp_path, capsys):
     from curation.config import QueueConfig
     from curation.warehouse import Outcome, open_warehouse
 
-    dsn = _database(server, "backoff")
+    dsn = database(server, "backoff")
     with open_warehouse(dsn=dsn, create=True, queue=QueueConfig(max_attempts=2, backoff_s=0.5)) as warehouse:
         (tmp_path / "a.png").write_bytes(b"")
         manifest = tmp_path / "list.jsonl"
@@ -235,26 +206,28 @@ def test_bad_connections_schema_and_backoff(server, tmp_path, capsys):
         assert not warehouse.waiting(["probe"])
         status = warehouse.status()
         assert status["failed"] == 1 and status["jobs"]["probe"]["failed"] == 1
-        final = _rows(dsn, "SELECT status, drop_reason, probe_error, probe_attempts FROM images")[0]
+        final = query(dsn, "SELECT status, drop_reason, probe_error, probe_attempts FROM images")[0]
         assert final == {"status": "failed", "drop_reason": "failed:probe", "probe_error": "OSError: still down",
                          "probe_attempts": 2}
 
 
 def test_hash_index_matches_brute_force():
-    """Multi-index hashing finds exactly the hashes a full scan finds within the distance."""
+    """The vectorised index finds exactly the hashes a Python scan finds within the distance,
+    across its growth (more than its initial capacity of 1024)."""
     rng = np.random.default_rng(0)
-    bits, distance = 144, 16
-    base = [int.from_bytes(rng.bytes(18), "big") for _ in range(400)]
-    planted = []
-    for value in base[:100]:  # near neighbours at 0..distance+3 flipped bits
-        flips = rng.choice(bits, size=int(rng.integers(0, distance + 4)), replace=False)
-        planted.append(value ^ sum(1 << int(b) for b in flips))
-    everything = base + planted
-    for bands in (6, 9):  # radius 2 and radius 1 per band
-        index = HashIndex(bits, bands=bands, max_distance=distance)
+    bits = 144
+    base = [int.from_bytes(rng.bytes(18), "big") for _ in range(1100)]
+    for distance in (16, 44):
+        planted = []
+        for value in base[:200]:  # near neighbours at 0..distance+3 flipped bits
+            flips = rng.choice(bits, size=int(rng.integers(0, distance + 4)), replace=False)
+            planted.append(value ^ sum(1 << int(b) for b in flips))
+        everything = base + planted
+        index = HashIndex(bits, max_distance=distance)
         for key, value in enumerate(everything):
             index.add(key, value)
-        for query in everything[::7]:
+        assert len(index) == len(everything)
+        for query in everything[::29]:
             brute = sorted((k, (v ^ query).bit_count()) for k, v in enumerate(everything) if (v ^ query).bit_count() <= distance)
             assert sorted(index.query(query)) == brute
 
@@ -271,26 +244,32 @@ def test_semantic_duplicates_inside_leaves():
 
 
 def test_run_workers_then_captions_embeddings_clusters(server, tmp_path, capsys):
-    dsn = _database(server, "models")
+    dsn = database(server, "models")
     corpus = tmp_path / "corpus"
     expected = make_corpus(corpus, photos=1, seed=2, bad=False)  # 3 kept: captioning is the slow part
     for name in expected:
         (corpus / name).with_suffix(".txt").write_text(f"source text of {name}")
     config = tmp_path / "curate.yaml"
     config.write_text(FAST_QUEUE + "caption: {model: tiny-random, max_new_tokens: 4, rewrite_max_new_tokens: 3, "
-                      "max_pixels: 4096}\ncluster: {levels: [2, 1], semantic_threshold: -1.0}\n")
+                      "max_pixels: 4096}\nembed: {model: tiny-random}\ncluster: {levels: [2, 1], semantic_threshold: -1.0}\n")
     store = tmp_path / "store"
     assert krea2(["curate", "init", "--dsn", dsn]) == 0
     assert krea2(["curate", "ingest", str(corpus), "--dsn", dsn]) == 0
     code, _, err = _cli(capsys, "run", "--dsn", dsn, "--workers", 2, "--batch", 2, "--config", config, "--no-progress")
     assert code == 0, err
-    kept = _rows(dsn, "SELECT id, uri, width::bigint * height AS area FROM images WHERE status = 'kept' ORDER BY id")
+    kept = query(dsn, "SELECT id, uri, width::bigint * height AS area FROM images WHERE status = 'kept' ORDER BY id")
     assert sorted(Path(r["uri"]).name for r in kept) == sorted(n for n, f in expected.items() if f == "kept")
 
+    # Random weights only when asked for, and then with the pipeline's notice.
     code, out, err = _cli(capsys, "work", "--dsn", dsn, "--store", store, "--jobs", "caption,embed,cluster",
                           "--batch", 3, "--config", config)
+    assert code == 2 and "--allow-random-weights" in err and "RANDOM WEIGHTS" in err and "Traceback" not in err
+    assert not query(dsn, "SELECT id FROM images WHERE caption_attempts > 0 OR embed_attempts > 0")
+    code, out, err = _cli(capsys, "work", "--dsn", dsn, "--store", store, "--jobs", "caption,embed,cluster",
+                          "--batch", 3, "--config", config, "--allow-random-weights")
     assert code == 0, err
-    rows = _rows(dsn, "SELECT * FROM images WHERE dedup_done_at IS NOT NULL AND duplicate_of IS NULL ORDER BY id")
+    assert "model: tiny-random (RANDOM WEIGHTS" in err
+    rows = query(dsn, "SELECT * FROM images WHERE dedup_done_at IS NOT NULL AND duplicate_of IS NULL ORDER BY id")
     assert len(rows) == len(kept)
     for row in rows:
         assert all(row[c] for c in ("caption_long", "caption_medium", "caption_short")), row["uri"]
@@ -328,7 +307,7 @@ def test_larger_late_arrival_takes_over_its_group(server, tmp_path, capsys):
 
     from curation.synthetic import photo
 
-    dsn = _database(server, "takeover")
+    dsn = database(server, "takeover")
     picture = photo(np.random.default_rng(5))
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir()
@@ -341,7 +320,35 @@ def test_larger_late_arrival_takes_over_its_group(server, tmp_path, capsys):
     for folder in (first, second):
         assert _cli(capsys, "ingest", folder, "--dsn", dsn)[0] == 0
         assert _cli(capsys, "work", "--dsn", dsn, "--config", config)[0] == 0
-    rows = {Path(r["uri"]).name: r for r in _rows(dsn, "SELECT * FROM images")}
+    rows = {Path(r["uri"]).name: r for r in query(dsn, "SELECT * FROM images")}
     assert rows["large.png"]["status"] == "kept" and rows["large.png"]["duplicate_of"] is None
     assert (rows["small.jpg"]["status"], rows["small.jpg"]["drop_reason"], rows["small.jpg"]["duplicate_of"]) == (
         "dropped", "near_duplicate", rows["large.png"]["id"])
+
+
+def test_real_model_defaults_fail_clearly_offline(server, tmp_path, capsys):
+    """caption and embed default to real models (the pipeline's Qwen3-VL, SigLIP-2); absent and
+    offline, the worker stops with one line naming the model before it claims any row."""
+    dsn = database(server, "offline")
+    corpus = tmp_path / "corpus"
+    make_corpus(corpus, photos=1, seed=3, bad=False)
+    config = tmp_path / "curate.yaml"
+    config.write_text(FAST_QUEUE)
+    assert _cli(capsys, "init", "--dsn", dsn)[0] == 0
+    assert _cli(capsys, "ingest", corpus, "--dsn", dsn)[0] == 0
+    assert _cli(capsys, "work", "--dsn", dsn, "--config", config)[0] == 0
+    # A fresh process: the hub library reads HF_HUB_OFFLINE when it is imported.
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"),
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, "-m", "curation", "work", "--dsn", dsn, "--store", str(tmp_path),
+                             "--jobs", "caption", "--config", str(config)], env=env, capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr
+    assert "caption.model 'Qwen/Qwen3-VL-4B-Instruct' cannot be loaded" in result.stderr
+    assert "Traceback" not in result.stderr
+    config.write_text(FAST_QUEUE + f"embed: {{model: {tmp_path / 'no-such-encoder'}}}\n")
+    code, _, err = _cli(capsys, "work", "--dsn", dsn, "--store", tmp_path, "--jobs", "embed", "--config", config)
+    assert code == 2 and "embed.model" in err and "no-such-encoder" in err and "Traceback" not in err
+    assert not query(dsn, "SELECT id FROM images WHERE caption_attempts > 0 OR embed_attempts > 0")
+    from curation.config import CurationConfig
+
+    assert CurationConfig().embed.model == "google/siglip2-base-patch16-224"

@@ -1,0 +1,161 @@
+"""Curation under worker deaths: a poison row that kills every worker claiming it ends ``failed``
+after max_attempts deaths while the rest completes, and 16 workers with 4 killed -9 at random
+moments finish 2,000 images with every row settled exactly once and no row held by two live
+workers at once (claim log)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from curation.synthetic import make_corpus, photo
+from curation.worker import CRASH_HOOK
+from curation_warehouse import FAST_QUEUE, REPO, database, query, server  # noqa: F401 (server: a fixture)
+from krea2_diffusers.cli import main as krea2
+
+
+def _fates(dsn: str) -> dict[str, str]:
+    rows = query(dsn, "SELECT uri, status, drop_reason FROM images")
+    return {Path(r["uri"]).name: r["status"] if r["status"] in ("kept", "failed", "pending") else r["drop_reason"]
+            for r in rows}
+
+
+def test_poison_row_fails_after_max_attempts_deaths(server, tmp_path, capsys, monkeypatch):
+    dsn = database(server, "poison")
+    corpus = tmp_path / "corpus"
+    expected = make_corpus(corpus, photos=4, seed=3, bad=False)
+    photo(np.random.default_rng(99)).save(corpus / "p001_z_poison.png")
+    config = tmp_path / "curate.yaml"
+    config.write_text(FAST_QUEUE)  # max_attempts 2
+    assert krea2(["curate", "init", "--dsn", dsn]) == 0
+    assert krea2(["curate", "ingest", str(corpus), "--dsn", dsn]) == 0
+    monkeypatch.setenv(CRASH_HOOK, "/p001_z_poison.png")  # workers inherit it: probing that file kills them
+    capsys.readouterr()
+    code = krea2(["curate", "run", "--dsn", dsn, "--workers", "2", "--batch", "4", "--claim-log", "--config",
+                  str(config), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert err.count("killed by signal 9") == 2, err  # the pool replaced both workers the row killed
+
+    assert _fates(dsn) == {**expected, "p001_z_poison.png": "failed"}
+    (poison,) = query(dsn, "SELECT * FROM images WHERE uri LIKE '%%/p001_z_poison.png'")
+    assert (poison["drop_reason"], poison["probe_error"]) == ("failed:probe", "worker died while processing (2 times)")
+    assert (poison["probe_attempts"], poison["probe_deaths"], poison["probe_claimed_by"]) == (2, 2, None)
+    # Its first claim took innocent rows down with it; its retry was a batch of one, so they were
+    # each charged one death and then finished.
+    claims = query(dsn, "SELECT image_id, backend_pid, claimed_at, released_at FROM claim_log WHERE job = 'probe' "
+                        "ORDER BY claimed_at, image_id")
+    mine = [c for c in claims if c["image_id"] == poison["id"]]
+    assert len(mine) == 2 and all(c["released_at"] is None for c in mine)
+    # A killed worker's batch: the claims its backend never released.
+    first_batch = [c for c in claims if c["backend_pid"] == mine[0]["backend_pid"] and c["released_at"] is None]
+    retry_batch = [c for c in claims if c["backend_pid"] == mine[1]["backend_pid"] and c["released_at"] is None]
+    assert len(first_batch) > 1 and len(retry_batch) == 1
+    innocents = [c["image_id"] for c in first_batch if c["image_id"] != poison["id"]]
+    for row in query(dsn, "SELECT probe_deaths, probe_done_at FROM images WHERE id = ANY(%s)", (innocents,)):
+        assert row["probe_deaths"] == 1 and row["probe_done_at"] is not None
+
+    capsys.readouterr()
+    assert krea2(["curate", "status", "--dsn", dsn, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["failed"] == 1 and status["pending"] == 0
+    assert status["jobs"]["probe"]["failed"] == 1
+    assert status["jobs"]["probe"]["deaths"] == 2 + len(innocents)
+
+
+def _small_corpus(folder: Path, count: int, copy_every: int) -> dict[str, str]:
+    """``count`` 64x48 PNGs; every ``copy_every``-th is a byte copy of the previous photograph.
+    Returns copy name -> original name."""
+    folder.mkdir()
+    rng = np.random.default_rng(4)
+    copies, last = {}, None
+    for i in range(count):
+        name = f"i{i:05d}.png"
+        if i % copy_every == copy_every - 1:
+            (folder / name).write_bytes((folder / last).read_bytes())
+            copies[name] = last
+            continue
+        photo(rng, (64, 48)).save(folder / name, compress_level=1)
+        last = name
+    return copies
+
+
+def test_sixteen_workers_four_killed(server, tmp_path):
+    dsn = database(server, "chaos")
+    copies = _small_corpus(tmp_path / "corpus", 2000, copy_every=10)
+    config = tmp_path / "curate.yaml"
+    config.write_text(FAST_QUEUE + "filter: {min_side: 32}\n")
+    assert krea2(["curate", "init", "--dsn", dsn]) == 0
+    assert krea2(["curate", "ingest", str(tmp_path / "corpus"), "--dsn", dsn]) == 0
+
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    command = [sys.executable, "-m", "curation", "work", "--dsn", dsn, "--batch", "16", "--claim-log",
+               "--config", str(config)]
+    workers = [subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+               for _ in range(16)]
+    rng = np.random.default_rng(0)
+    victims = [workers[int(i)] for i in rng.choice(16, size=4, replace=False)]
+    killed_at: dict[int, object] = {}
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        deadline = time.monotonic() + 150
+        for victim in victims:  # each one at a random moment while it holds a batch
+            time.sleep(float(rng.uniform(0.0, 1.5)))
+            while victim.pid not in killed_at and time.monotonic() < deadline and victim.poll() is None:
+                held = conn.execute("SELECT count(*) FROM claim_log WHERE worker LIKE %s AND released_at IS NULL",
+                                    (f"%:{victim.pid}",)).fetchone()[0]
+                if held:
+                    os.kill(victim.pid, signal.SIGKILL)
+                    killed_at[victim.pid] = conn.execute("SELECT clock_timestamp()").fetchone()[0]
+                else:
+                    time.sleep(0.02)
+    assert len(killed_at) == 4, "a victim exited before it was killed holding a batch"
+    for process in workers:
+        if process.pid not in killed_at:
+            assert process.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, process.stderr.read().decode()
+        else:
+            process.wait()
+
+    # Nothing lost: every row settled, copies grouped with their original, nothing failed.
+    rows = query(dsn, "SELECT id, uri, status, drop_reason, probe_done_at, filter_done_at, dedup_done_at FROM images")
+    assert len(rows) == 2000
+    assert {r["status"] for r in rows} <= {"kept", "dropped"}
+    fates = {Path(r["uri"]).name: r["drop_reason"] for r in rows}
+    for copy, original in copies.items():  # the same bytes: the same filter verdict, or grouped
+        assert fates[copy] == (fates[original] or "exact_duplicate"), (copy, fates[copy], fates[original])
+    assert sum(f == "exact_duplicate" for f in fates.values()) > 150
+    for row in rows:
+        reached = ["probe"] + (["filter"] if row["drop_reason"] in (None, "exact_duplicate", "near_duplicate") or
+                               row["filter_done_at"] else [])
+        assert all(row[f"{job}_done_at"] for job in reached), row
+
+    # Claim log: each (job, row) finished exactly once; a later claim starts only after the earlier
+    # one was released or its worker was killed; only the killed workers left claims open.
+    claims = query(dsn, "SELECT job, image_id, worker, claimed_at, released_at, outcome FROM claim_log "
+                        "ORDER BY job, image_id, claimed_at")
+    killed_workers = {f":{pid}": at for pid, at in killed_at.items()}
+    by_row: dict[tuple, list[dict]] = {}
+    for claim in claims:
+        by_row.setdefault((claim["job"], claim["image_id"]), []).append(claim)
+    assert {row["id"] for row in rows} == {image for job, image in by_row if job == "probe"}
+    open_claims = 0
+    for key, history in by_row.items():
+        assert [c["outcome"] for c in history if c["released_at"] is not None] == ["done"], (key, history)
+        for first, second in zip(history, history[1:]):
+            if first["released_at"] is not None:
+                assert first["released_at"] <= second["claimed_at"], f"{key} held by two live workers: {history}"
+            else:
+                killer = next(at for suffix, at in killed_workers.items() if first["worker"].endswith(suffix))
+                assert second["claimed_at"] > killer, f"{key} taken over before its worker died: {history}"
+                open_claims += 1
+        assert history[-1]["released_at"] is not None, f"{key} never finished: {history}"
+    assert open_claims >= 4  # every victim held at least one row when it was killed
