@@ -67,10 +67,10 @@ def _meta_inputs(config: TrainConfig, transformer_config: dict, dtype: torch.dty
 
 def _frozen_bytes(model: nn.Module, quantize: str) -> int:
     """Resident bytes of the frozen tensors; bitsandbytes layers by their packed size."""
-    from krea2_diffusers.quantization.bnb import TRANSFORMER_KEEP, _skipper
+    from krea2_diffusers.quantization.bnb import TRANSFORMER_KEEP, keep_filter
 
     total = tensor_bytes(t for t in model.buffers())
-    skip = _skipper(TRANSFORMER_KEEP)
+    skip = keep_filter(TRANSFORMER_KEEP)
     counted: set[int] = set()
     if quantize in ("int8", "nf4"):
         for name, module in model.named_modules():

@@ -70,6 +70,10 @@ class PackedLinear(nn.Linear):
 
 
 def resident_bytes(module: nn.Module) -> int:
-    """Resident bytes of all parameters and buffers of ``module`` (packed or not)."""
+    """Resident bytes of all parameters and buffers of ``module`` (packed or not), with the scales
+    bitsandbytes keeps beside a packed weight (NF4's ``quant_state.absmax``, int8's ``SCB``)."""
     tensors = list(module.parameters()) + list(module.buffers())
+    for param in module.parameters():
+        state = getattr(param, "quant_state", None)
+        tensors += [t for t in (getattr(state, "absmax", None), getattr(param, "SCB", None)) if t is not None]
     return sum(t.numel() * t.element_size() for t in tensors)
