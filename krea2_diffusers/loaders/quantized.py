@@ -130,11 +130,13 @@ def load_quantized_transformer(cls, path, quantization: str, *, torch_dtype: tor
 
 def quantized_linear_bytes(in_features: int, out_features: int, mode: str, bias_bytes: int = 0) -> int:
     """Bytes of one frozen linear layer stored as ``mode``: fp8 and int8 one byte per weight plus a
-    float32 scale per output row; nf4 half a byte plus a float32 absmax per 64 weights (bitsandbytes' default)."""
+    float32 scale per output row; nf4 half a byte per weight, and per 64 weights an absmax that
+    bitsandbytes stores as one byte with a float32 scale per 256 of them (``compress_statistics``)."""
     weights = in_features * out_features
     if mode in ("fp8", "int8"):
         return weights + 4 * out_features + bias_bytes
-    return (weights + 1) // 2 + 4 * -(-weights // 64) + bias_bytes
+    blocks = -(-weights // 64)
+    return (weights + 1) // 2 + blocks + 4 * -(-blocks // 256) + bias_bytes
 
 
 def planned_transformer_bytes(config: dict, quantization: str | None, torch_dtype: torch.dtype,

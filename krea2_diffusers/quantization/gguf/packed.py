@@ -75,5 +75,9 @@ def resident_bytes(module: nn.Module) -> int:
     tensors = list(module.parameters()) + list(module.buffers())
     for param in module.parameters():
         state = getattr(param, "quant_state", None)
-        tensors += [t for t in (getattr(state, "absmax", None), getattr(param, "SCB", None)) if t is not None]
-    return sum(t.numel() * t.element_size() for t in tensors)
+        nested = getattr(state, "state2", None)  # NF4's absmax is itself quantized (compress_statistics)
+        tensors += [getattr(state, "absmax", None), getattr(nested, "absmax", None), getattr(param, "SCB", None)]
+    for layer in module.modules():  # int8 layers move SCB into their state after the first forward
+        tensors.append(getattr(getattr(layer, "state", None), "SCB", None))
+    unique = {id(t): t for t in tensors if isinstance(t, torch.Tensor)}
+    return sum(t.numel() * t.element_size() for t in unique.values())
