@@ -59,6 +59,29 @@ def write_random_checkpoint(path, config: dict | None = None, seed: int = 0) -> 
     return sum(int(torch.Size(shape).numel()) for _, _, shape in entries)
 
 
+def streamed_transformer(quantization: str, device, config: dict | None = None, checkpoint=None):
+    """The random transformer of ``config`` (default: full size) with its block matrices stored as
+    ``quantization``, through the library's streamed loader onto ``device`` (the path a 24 GB card
+    takes: the bf16 model never exists whole, neither on the card nor in host RAM). The random
+    checkpoint is written first if missing (default: beside the full-size bench's, or in /tmp for a
+    smaller ``config``)."""
+    import hashlib
+    import json
+    import tempfile
+
+    if checkpoint is None:
+        if config is None:
+            from full_size import DEFAULT_CHECKPOINT as checkpoint
+        else:
+            digest = hashlib.sha1(json.dumps(config, sort_keys=True, default=list).encode()).hexdigest()[:10]
+            checkpoint = Path(tempfile.gettempdir()) / f"krea2-random-{digest}.safetensors"
+    checkpoint = Path(checkpoint)
+    if not checkpoint.exists():
+        write_random_checkpoint(checkpoint, config)
+    return Krea2Transformer2DModel.from_single_file(checkpoint, torch_dtype=torch.bfloat16, quantization=quantization,
+                                                    device=device)
+
+
 # The Qwen3-VL-4B text encoder's width and depth (the transformer reads 12 of its 37 hidden states);
 # two heads and a small MLP stand in for its 32 heads and 9728-wide MLP: the prompt's cost is not
 # what the bench measures, its width and the tapped layers are what the transformer reads.
