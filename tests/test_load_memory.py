@@ -68,7 +68,8 @@ def test_peak_rss_of_single_file_load(medium_file):
 
 
 # Streamed quantized loading (issue 18): the load's peak above baseline is at most the quantized
-# model plus one block in the file's precision, with 15% slack for the allocator and the reader.
+# model plus one block in the file's precision, with 15% slack for the allocator and the reader
+# (plus, for NF4, bitsandbytes' temporaries of one matrix).
 QUANTIZED_SLACK = 1.15
 
 MEASURE_QUANTIZED = """
@@ -89,8 +90,9 @@ peak = kb("VmHWM")
 stored = resident_bytes(model)
 with torch.device("meta"):  # one block's parameters as the file holds them (quantized ones pack several per byte)
     block = sum(p.numel() for p in type(model)(**model.config).transformer_blocks[0].parameters())
+    largest = max(m.weight.numel() for m in type(model)(**model.config).transformer_blocks.modules() if type(m) is torch.nn.Linear)
 kinds = sorted({type(m).__name__ for m in model.transformer_blocks.modules() if "Linear" in type(m).__name__})
-print(baseline, peak, stored, block, ",".join(kinds))
+print(baseline, peak, stored, block, largest, ",".join(kinds))
 """
 
 
@@ -98,7 +100,7 @@ print(baseline, peak, stored, block, ",".join(kinds))
 def test_streamed_quantized_load_never_holds_the_full_precision_model(medium_file, quantization, layer):
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(MEASURE_QUANTIZED), str(medium_file), quantization],
                          check=True, capture_output=True, text=True)
-    baseline_kb, peak_kb, stored, block_params, kinds = out.stdout.split()
+    baseline_kb, peak_kb, stored, block_params, largest, kinds = out.stdout.split()
     growth = (int(peak_kb) - int(baseline_kb)) * 1024
     block_bytes = int(block_params) * 2  # the file's bf16
     file_bytes = medium_file.stat().st_size
@@ -106,4 +108,7 @@ def test_streamed_quantized_load_never_holds_the_full_precision_model(medium_fil
           f"{block_bytes / 1e9:.3f} GB, peak growth {growth / 1e9:.3f} GB")
     assert kinds.split(",") == [layer]  # the block matrices really are quantized
     assert int(stored) < 0.6 * file_bytes
-    assert growth <= QUANTIZED_SLACK * (int(stored) + block_bytes)
+    # bitsandbytes' CPU NF4 quantizer (its torch fallback) makes float32 copies, int32 codes and the
+    # packed bytes of the whole matrix it quantizes: ~13 bytes a weight of the largest matrix on top.
+    temporaries = 13 * int(largest) if quantization == "nf4" else 0
+    assert growth <= QUANTIZED_SLACK * (int(stored) + block_bytes) + temporaries

@@ -109,3 +109,16 @@ def test_bad_inputs_fail_with_one_line_naming_the_file(checkpoint, tmp_path, cap
         assert message in line, (argv, line)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.safetensors", "flux.safetensors", "model.gguf"]
 
+
+
+def test_memory_preset_storage_is_chosen_from_the_file_before_loading(checkpoint, monkeypatch):
+    from krea2_diffusers.pipelines import memory
+
+    assert memory.storage_for_file(checkpoint, "high", "cpu") is None  # no budget: full precision
+    monkeypatch.setattr(memory, "_budget", lambda preset, device: 1)  # nothing fits: the smallest storage is chosen
+    monkeypatch.setattr(memory, "_bnb_usable", lambda: True)
+    assert memory.storage_for_file(checkpoint, "8gb", "cpu", text_encoder="tiny-random", vae="tiny-random") == "fp8"
+    monkeypatch.setattr(memory, "ACTIVATION_HEADROOM", 0)
+    small = memory.plan_memory(1000, 0, 0, 400, bnb_available=True)
+    assert small.transformer_storage == "nf4"  # the same planner, given sizes that NF4 fits
+    assert memory.storage_for_file(checkpoint.with_suffix(".gguf"), "8gb", "cpu") is None
