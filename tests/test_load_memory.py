@@ -96,7 +96,9 @@ print(baseline, peak, stored, block, largest, ",".join(kinds))
 """
 
 
-@pytest.mark.parametrize("quantization,layer", [("fp8", "Fp8Linear"), ("nf4", "Linear4bit")])
+# fp8 only in CI: NF4 quantizes ~5M weights/s on two CPU cores (bitsandbytes' torch fallback), 80 s
+# for this file; measured by hand with the same bound: growth 0.751 GB <= 0.828 GB.
+@pytest.mark.parametrize("quantization,layer", [("fp8", "Fp8Linear")])
 def test_streamed_quantized_load_never_holds_the_full_precision_model(medium_file, quantization, layer):
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(MEASURE_QUANTIZED), str(medium_file), quantization],
                          check=True, capture_output=True, text=True)
