@@ -7,6 +7,7 @@ teacher, distillation's second trained model (the fake score) or second LoRA ada
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,8 @@ from krea2_diffusers.files import atomic_write
 
 from .config import TrainConfig
 from .data.buckets import make_buckets
+from krea2_diffusers.pipelines.host_memory import HostPlan
+
 from .engine.plan import (OPTIMIZER_STATE_BYTES, RUNTIME_OVERHEAD, MemoryPlan, activation_bytes, measure_activations,
                           quantized_linear_bytes, tensor_bytes)
 from .methods import ADAPTER_NAME, add_lora, quantize_base
@@ -67,10 +70,10 @@ def _meta_inputs(config: TrainConfig, transformer_config: dict, dtype: torch.dty
 
 def _frozen_bytes(model: nn.Module, quantize: str) -> int:
     """Resident bytes of the frozen tensors; bitsandbytes layers by their packed size."""
-    from krea2_diffusers.quantization.bnb import TRANSFORMER_KEEP, skipper
+    from krea2_diffusers.quantization.bnb import TRANSFORMER_KEEP, keep_filter
 
     total = tensor_bytes(t for t in model.buffers())
-    skip = skipper(TRANSFORMER_KEEP)
+    skip = keep_filter(TRANSFORMER_KEEP)
     counted: set[int] = set()
     if quantize in ("int8", "nf4"):
         for name, module in model.named_modules():
@@ -167,9 +170,65 @@ def plan_text(config: TrainConfig, world_size: int = 1, copies: ModelCopies = Mo
               device: tuple[str, int | None] | None = None) -> tuple[str, MemoryPlan]:
     """What ``--dry-run`` prints, and the plan: ``device`` (name, bytes) is the card compared
     against (default: this process's, :func:`device_memory`). Writes nothing."""
+    from krea2_diffusers.pipelines.host_memory import host_ram
+
+    # A card given by the caller (the app's presets) is planned as a GPU even on a CPU machine.
+    on_gpu = torch.cuda.is_available() or device is not None
     name, available = device or device_memory()
     plan, what = build_plan(config, world_size, copies)
-    return f"dry run: {what}, {world_size} process(es)\n" + plan.render(name, available), plan
+    host, ram = host_plan(config, plan, on_gpu), host_ram()
+    short = (available is not None and plan.total > available) or host.total > ram
+    fitting = _fitting_modes(config, world_size, copies, available if on_gpu else ram, on_gpu) if short else []
+    text = (f"dry run: {what}, {world_size} process(es)\n" + plan.render(name, available, fitting) + "\n"
+            + host.render(ram, fitting))
+    return text, plan
+
+
+def host_plan(config: TrainConfig, plan: MemoryPlan, on_gpu: bool) -> HostPlan:
+    """Host RAM of one process: the libraries, the text encoder and VAE (they stay in host memory
+    after caching), and the transformer's streamed load (one block in the file's precision plus the
+    quantizer's temporaries beside the quantized base). On the CPU the training plan's rows are host
+    memory too; the load's transient and training's own tensors never coexist."""
+    from krea2_diffusers.loaders.quantized import planned_transformer_bytes
+    from krea2_diffusers.pipelines.host_memory import PROCESS_BASELINE, file_bytes
+
+    from .model import DTYPES, transformer_weights
+
+    host = HostPlan()
+    host.add("process (python, torch, libraries)", PROCESS_BASELINE)
+    widen = max(1, DTYPES[config.model.dtype].itemsize // 2)  # bf16 files loaded as float32 double
+    host.add("text encoder and VAE (kept on the host after caching)",
+             (file_bytes(config.model.text_encoder) + file_bytes(config.model.vae)) * widen)
+    lora = config.training.method == "lora"
+    quantization = config.model.quantize if lora and config.model.quantize != "none" else None
+    transformer_config, source = transformer_weights(config.model)
+    source.close()
+    _, loading = planned_transformer_bytes(transformer_config, quantization, DTYPES[config.model.dtype])
+    rows = [(label, size) for label, size in plan.rows if not label.startswith("CUDA")]
+    if not on_gpu:
+        for label, size in rows:
+            if label.startswith("frozen"):
+                host.add(label, size)
+        training = sum(size for label, size in rows if not label.startswith("frozen"))
+        host.add("training tensors, or the load's one block + quantizer temporaries (the larger)", max(training, loading))
+    else:
+        host.add("the load's one block + quantizer temporaries", loading)
+    return host
+
+
+def _fitting_modes(config: TrainConfig, world_size: int, copies: ModelCopies, available: int, on_gpu: bool) -> list[str]:
+    """The ``model.quantize`` values (smallest first) whose plan fits ``available`` bytes (LoRA only)."""
+    if config.training.method != "lora":
+        return []
+    fitting = []
+    for mode in ("nf4", "int8", "fp8", "none"):
+        other = copy.deepcopy(config)
+        other.model.quantize = mode
+        plan, _ = build_plan(other, world_size, copies)
+        total = plan.total if on_gpu else host_plan(other, plan, on_gpu).total
+        if total <= available:
+            fitting.append(f"model.quantize={mode}")
+    return fitting
 
 
 def dry_run(config: TrainConfig, copies: ModelCopies = ModelCopies()) -> str:

@@ -63,18 +63,15 @@ def add_lora(transformer: nn.Module, config: LoRAConfig, adapter_names: tuple[st
 def quantize_base(transformer: nn.Module, mode: str, compute_dtype: torch.dtype) -> int:
     """Store the frozen base's block matrices as ``fp8`` (per-row scale), ``int8`` or ``nf4``
     (bitsandbytes; an error, never a silent fallback, where it cannot run). The precision-sensitive
-    layers (``krea2_diffusers.quantization.bnb.TRANSFORMER_KEEP``) stay in full precision. Returns layers replaced."""
+    layers (``krea2_diffusers.quantization.bnb.TRANSFORMER_KEEP``) stay in full precision. Returns layers replaced:
+    0 when the loader already streamed the base in quantized (``finetune.model.load_pipeline``)."""
+    from krea2_diffusers.loaders.quantized import quantize_storage_
+
     if mode == "none":
         return 0
     if any(type(m).__name__ == "PackedLinear" for m in transformer.modules()):
         raise ValueError(f"model.quantize={mode!r}: the base is a GGUF file, already quantized (it stays packed); use quantize: none")
-    if mode == "fp8":
-        from krea2_diffusers.quantization.fp8 import quantize_transformer_fp8_
-
-        return quantize_transformer_fp8_(transformer, compute_dtype)
-    from krea2_diffusers.quantization.bnb import quantize_transformer_
-
-    return quantize_transformer_(transformer, mode, compute_dtype)
+    return quantize_storage_(transformer, mode, compute_dtype)
 
 
 def check_quantize(mode: str, device: torch.device) -> None:

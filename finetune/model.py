@@ -21,9 +21,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def load_pipeline(config: ModelConfig, device: torch.device, transformer=LOAD) -> Krea2Pipeline:
     """The RAW pipeline; text encoder and VAE on ``device`` (for caching), the transformer (if
-    loaded) stays on the CPU until it is quantized / wrapped. ``transformer=None`` leaves it out."""
+    loaded) stays on the CPU until it is wrapped. ``transformer=None`` leaves it out. With
+    ``model.quantize`` the transformer is read block by block and each block quantized as it
+    arrives (the full-precision base never exists whole); GGUF files stay packed."""
+    gguf = str(config.pretrained_model_name_or_path).endswith(".gguf")
+    quantization = None if config.quantize == "none" or gguf else config.quantize
     pipe = assemble_pipeline(Krea2Pipeline, config.pretrained_model_name_or_path, text_encoder=config.text_encoder,
-                             vae=config.vae, torch_dtype=DTYPES[config.dtype], transformer=transformer)
+                             vae=config.vae, torch_dtype=DTYPES[config.dtype], transformer=transformer,
+                             quantization=quantization if transformer is LOAD else None)
     pipe.set_progress_bar_config(disable=True)
     pipe.text_encoder.to(device)
     pipe.vae.to(device)

@@ -153,6 +153,10 @@ class Trainer:
         config = self.config
         compute = torch.float32 if config.model.dtype == "float32" else torch.bfloat16
         quantize_base(transformer, config.model.quantize, compute)
+        if self.runtime.is_main:
+            from krea2_diffusers.quantization.gguf import resident_bytes
+
+            logger.info("transformer: %d bytes resident (model.quantize %s)", resident_bytes(transformer), config.model.quantize)
         torch.manual_seed(config.training.seed)  # LoRA A init: same on every process
         add_lora(transformer, config.lora)
         transformer.train()

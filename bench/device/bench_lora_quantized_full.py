@@ -7,9 +7,10 @@ figure to compare against 16 / 24 GB cards.
     python bench/device/bench_lora_quantized_full.py --variants fp8-swap14 --steps 5
 
 Drives the trainer's own code: ``quantize_base``, ``add_lora`` and ``engine.parallel.wrap_model``
-(activation checkpointing ``full``, block swap of the last N blocks on a side CUDA stream). The bf16
-model is built on the GPU (an H100/H200 holds it) and quantized there, block swap then moves its
-blocks' frozen weights to pinned host memory; the peak is measured from the first training step,
+(activation checkpointing ``full``, block swap of the last N blocks on a side CUDA stream). The base
+comes through the library's streamed quantized loader from the random checkpoint
+(bench/full_size_models.py, written first if missing), quantized block by block on the GPU as a
+24 GB card needs it; block swap then moves its blocks' frozen weights to pinned host memory; the peak is measured from the first training step,
 so it is what a training step needs on the card. Also prints the ``--dry-run`` plan's total for the
 same setup, so the plan can be checked against the measurement.
 """
@@ -26,8 +27,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_train_full import (  # noqa: E402
-    FULL_CONFIG, TINY_CONFIG, build_model, parse_step_arguments, release_memory, time_steps)
+    FULL_CONFIG, TINY_CONFIG, parse_step_arguments, release_memory, time_steps)
+from full_size_models import streamed_transformer  # noqa: E402
 
 from finetune.config import LoRAConfig, OptimizerConfig, build_config  # noqa: E402
 from finetune.engine.parallel import wrap_model  # noqa: E402
@@ -60,9 +63,9 @@ def run_variant(name: str, args, device: torch.device) -> dict:
     quantize, offload = VARIANTS[name]
     config = TINY_CONFIG if args.tiny else FULL_CONFIG
     offload = min(offload, config.get("num_layers", 28) - 1)
-    model = build_model(config, device, torch.bfloat16)
     try:
-        quantize_base(model, quantize, torch.bfloat16)
+        model = streamed_transformer(quantize, device, None if config == FULL_CONFIG else config)
+        quantize_base(model, quantize, torch.bfloat16)  # nothing left to quantize: it came in quantized
     except Exception as err:  # bitsandbytes missing: report, never fall back
         return {"variant": name, "skipped": f"{type(err).__name__}: {err}"}
     params = add_lora(model, LoRAConfig(rank=args.rank, alpha=float(args.rank)))

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/full_size_models.py
 
 from krea2_diffusers.quantization.gguf import PackedLinear, resident_bytes  # noqa: E402
 from krea2_diffusers.quantization.gguf.qtypes import block_geometry  # noqa: E402
@@ -62,7 +63,12 @@ def _kept(name: str) -> bool:
 
 
 def build(config: dict, fmt: str, device: torch.device) -> nn.Module:
-    """The transformer in ``fmt`` on ``device``, built without a full-precision copy where possible."""
+    """The transformer in ``fmt`` on ``device``, built without a full-precision copy: fp8 and NF4
+    through the library's streamed loader from the random checkpoint (bench/full_size_models.py)."""
+    if fmt in ("fp8", "nf4"):
+        from full_size_models import streamed_transformer
+
+        return streamed_transformer(fmt, device, None if config == FULL_CONFIG else config)
     with torch.device("meta"):
         model = Krea2Transformer2DModel(**config)
     if fmt in PACKED:
@@ -79,14 +85,6 @@ def build(config: dict, fmt: str, device: torch.device) -> nn.Module:
         value = torch.empty(param.shape, dtype=dtype, device=device).normal_(0, WEIGHT_STD)
         parent, _, attr = name.rpartition(".")
         model.get_submodule(parent)._parameters[attr] = nn.Parameter(value, requires_grad=False)
-    if fmt == "fp8":  # the project's one fp8 layer (per-row scale), as the `memory=` presets use it
-        from krea2_diffusers.quantization.fp8 import quantize_transformer_fp8_
-
-        quantize_transformer_fp8_(model, compute_dtype=torch.bfloat16)
-    elif fmt == "nf4":
-        from krea2_diffusers.quantization.bnb import quantize_transformer_
-
-        quantize_transformer_(model, "nf4", compute_dtype=torch.bfloat16)
     return model.eval()
 
 

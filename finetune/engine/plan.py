@@ -10,7 +10,6 @@ keep it (no (S, S) matrix); ``selective`` checkpointing keeps the attention outp
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ class MemoryPlan:
     def total(self) -> int:
         return sum(size for _, size in self.rows)
 
-    def render(self, device_name: str, available: int | None) -> str:
+    def render(self, device_name: str, available: int | None, fitting: list[str] = ()) -> str:
         width = max(len(label) for label, _ in self.rows)
         lines = [f"memory plan per process on {device_name}:"]
         lines += [f"  {label:<{width}}  {size / GIB:8.2f} GiB" for label, size in self.rows]
@@ -47,7 +46,8 @@ class MemoryPlan:
         elif self.total <= available:
             lines.append(f"  fits: {available / GIB:.2f} GiB on the device, {(available - self.total) / GIB:.2f} GiB to spare")
         else:
-            lines.append(f"  DOES NOT FIT: {available / GIB:.2f} GiB on the device, {(self.total - available) / GIB:.2f} GiB short")
+            hint = f"; {', '.join(fitting)} would fit" if fitting else ""
+            lines.append(f"  DOES NOT FIT: {available / GIB:.2f} GiB on the device, {(self.total - available) / GIB:.2f} GiB short{hint}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -59,11 +59,10 @@ def tensor_bytes(tensors) -> int:
 def quantized_linear_bytes(module: nn.Linear, mode: str) -> int:
     """Bytes of one frozen linear layer as bitsandbytes stores it (int8: 1 byte + an fp32 scale per
     row; nf4: half a byte + an fp32 absmax per 64-value block, bitsandbytes' default)."""
-    weights = module.in_features * module.out_features
+    from krea2_diffusers.loaders.quantized import quantized_linear_bytes as stored
+
     bias = 0 if module.bias is None else module.out_features * 2
-    if mode == "int8":
-        return weights + 4 * module.out_features + bias
-    return weights // 2 + 4 * math.ceil(weights / 64) + bias
+    return stored(module.in_features, module.out_features, mode, bias)
 
 
 class _FusedAttention(torch.autograd.Function):

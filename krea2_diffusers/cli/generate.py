@@ -35,7 +35,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--output", default="outputs/krea2.png", help="PNG path; batches get -0, -1, ... suffixes")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
-    p.add_argument("--memory", default=None, choices=MEMORY_PRESETS, help="fit a memory budget (prints what it chose)")
+    p.add_argument("--memory", default=None, choices=MEMORY_PRESETS,
+                   help="fit a memory budget (prints what it chose); a quantized storage it picks is applied while loading")
+    p.add_argument("--quantize", default=None, choices=("fp8", "int8", "nf4"),
+                   help="store the transformer's block matrices quantized, read and quantized block by block "
+                        "(the full-precision model never exists whole); not for GGUF files")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the host-memory plan (and whether it fits this machine) without loading anything")
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
                    help="a LoRA file (diffusers, ComfyUI or kohya format); repeatable")
     p.add_argument("--creativity", choices=("raw", "low", "medium", "high"), default=None,
@@ -66,6 +72,29 @@ def resolve_dtype(name: str, device: str):
     if name == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     return getattr(torch, name)
+
+
+def check_quantize_target(model: str, quantize: str | None) -> str | None:
+    """``--quantize`` needs a transformer file or folder in full precision, not a GGUF file."""
+    if quantize is not None and str(model).endswith(".gguf"):
+        from ..files import CheckpointError
+
+        raise CheckpointError(f"{model}: a GGUF file is already quantized (it stays packed); drop --quantize")
+    return quantize
+
+
+def print_host_plan(args, quantization, dtype, size) -> int:
+    """``--dry-run``: the host plan of this run, DOES NOT FIT (and what would) when it exceeds the RAM."""
+    from ..pipelines.host_memory import host_ram, plan_host_memory, storages_that_fit
+
+    tokens = (size.get("width", DEFAULT_SIZE) // 16) * (size.get("height", DEFAULT_SIZE) // 16) + len(args.prompt.split()) * 2
+    sources = dict(text_encoder=args.text_encoder, vae=args.vae, tokens=tokens)
+    plan = plan_host_memory(args.model, quantization, dtype, **sources)
+    available = host_ram()
+    fitting = [] if plan.total <= available or str(args.model).endswith(".gguf") else \
+        storages_that_fit(args.model, dtype, available, **sources)
+    print(plan.render(available, fitting))
+    return 0
 
 
 def check_arguments(args) -> tuple[list[Path], list, list]:
@@ -110,9 +139,17 @@ def run(args) -> int:
     size = {} if args.init_image else dict(height=DEFAULT_SIZE, width=DEFAULT_SIZE)
     size.update({k: v for k, v in (("height", args.height), ("width", args.width)) if v is not None})
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = resolve_dtype(args.dtype, device)
+    quantization = check_quantize_target(args.model, args.quantize)
+    if args.memory and quantization is None:
+        from ..pipelines.memory import storage_for_file
+
+        quantization = storage_for_file(args.model, args.memory, device, args.text_encoder, args.vae)
+    if args.dry_run:
+        return print_host_plan(args, quantization, dtype, size)
     pipe = load_pipeline(Krea2Pipeline, args.model, text_encoder=args.text_encoder, vae=args.vae,
-                         torch_dtype=resolve_dtype(args.dtype, device), is_distilled=args.is_distilled,
-                         device=None if args.memory else device)
+                         torch_dtype=dtype, is_distilled=args.is_distilled,
+                         device=None if args.memory else device, quantization=quantization)
     if pipe.label and not is_tiny(args.model):  # tiny-random's loader already warned, once
         print(f"model: {pipe.label}")
     for path, strength in loras:

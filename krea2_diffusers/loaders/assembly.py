@@ -121,14 +121,16 @@ def recorded_distillation(path) -> tuple[bool | None, int | None]:
 
 
 def assemble_from_single_file(cls, path, *, text_encoder, vae, tokenizer=None, torch_dtype=None, is_distilled=None,
-                              text_encoder_config=None, upcast_fp8=False, transformer=LOAD, **load_kwargs):
-    """See :meth:`Krea2Pipeline.from_single_file`. ``text_encoder``/``vae`` may be ``"tiny-random"`` (tests)."""
+                              text_encoder_config=None, upcast_fp8=False, transformer=LOAD, quantization=None, **load_kwargs):
+    """See :meth:`Krea2Pipeline.from_single_file`. ``text_encoder``/``vae`` may be ``"tiny-random"`` (tests).
+    ``quantization``: the transformer's block matrices stored fp8 / int8 / nf4, streamed (never whole in full precision)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     from ..models.tiny import scheduler_config
 
     if _should_load(transformer):
-        transformer = Krea2Transformer2DModel.from_single_file(path, torch_dtype=torch_dtype, upcast_fp8=upcast_fp8)
+        transformer = Krea2Transformer2DModel.from_single_file(path, torch_dtype=torch_dtype, upcast_fp8=upcast_fp8,
+                                                               quantization=quantization)
     parts = _components(text_encoder, vae, tokenizer, torch_dtype, text_encoder_config, upcast_fp8, load_kwargs)
     check_text_width(transformer, parts["text_encoder"], text_encoder)
     recorded, steps = recorded_distillation(path)
@@ -139,15 +141,20 @@ def assemble_from_single_file(cls, path, *, text_encoder, vae, tokenizer=None, t
 
 
 def load_pipeline(cls, model: str, *, text_encoder=None, vae=None, torch_dtype=None, is_distilled=None, device=None,
-                  text_encoder_config=None, upcast_fp8=False, transformer=LOAD):
+                  text_encoder_config=None, upcast_fp8=False, transformer=LOAD, quantization=None):
     """Resolve what a user names — ``tiny-random``, a diffusers folder or hub id, or a transformer
     file (``.safetensors``/``.gguf``/index) — to a ready pipeline.
 
     ``text_encoder`` / ``vae`` (None: the default for that kind of model): hub id, folder, single
     file, loaded module or ``tiny-random``; they replace the components of a transformer file or of
     ``tiny-random`` (a diffusers folder brings its own). ``transformer``: :data:`LOAD`, a module,
-    or None to leave it out.
+    or None to leave it out. ``quantization`` (``"fp8" | "int8" | "nf4"``): the transformer's block
+    matrices stored quantized, read and quantized block by block (:mod:`krea2_diffusers.loaders.quantized`);
+    ``tiny-random`` is built whole and quantized in place (it is tiny).
     """
+    from .quantized import check_quantization, load_quantized_transformer, quantize_storage_
+
+    check_quantization(quantization)
     path = Path(model)
     if is_tiny(model):
         parts = {}
@@ -157,17 +164,23 @@ def load_pipeline(cls, model: str, *, text_encoder=None, vae=None, torch_dtype=N
         pipe = cls.from_pretrained(model, torch_dtype=torch_dtype, is_distilled=is_distilled, **parts)
         if not _should_load(transformer):
             pipe.register_modules(transformer=transformer)
+        elif quantization is not None:
+            quantize_storage_(pipe.transformer, quantization, torch_dtype or torch.bfloat16)
         check_text_width(pipe.transformer, pipe.text_encoder, text_encoder)
     elif path.is_file() or path.name.endswith(".index.json"):
         extra = {k: v for k, v in (("text_encoder", text_encoder), ("vae", vae)) if v is not None}
         pipe = cls.from_single_file(path, torch_dtype=torch_dtype, is_distilled=is_distilled, transformer=transformer,
-                                    text_encoder_config=text_encoder_config, upcast_fp8=upcast_fp8, **extra)
+                                    text_encoder_config=text_encoder_config, upcast_fp8=upcast_fp8,
+                                    quantization=quantization if _should_load(transformer) else None, **extra)
     else:
         if path.is_dir() and not (path / "model_index.json").exists():
             raise FileNotFoundError(f"{path}: folder has no model_index.json (expected a diffusers-format Krea 2 folder)")
         kwargs = {"torch_dtype": torch_dtype} if torch_dtype is not None else {}
         if not _should_load(transformer):
             kwargs["transformer"] = transformer
+        elif quantization is not None:
+            kwargs["transformer"] = load_quantized_transformer(Krea2Transformer2DModel, path, quantization,
+                                                               torch_dtype=torch_dtype)
         for name, component in (("text_encoder", text_encoder), ("vae", vae)):
             if component is not None and not isinstance(component, (str, Path)):
                 kwargs[name] = component  # already loaded (e.g. shared with another pipeline)

@@ -37,6 +37,22 @@ def _listed(names) -> str:
     return f"{names[:SHOWN_NAMES]}{' ...' if len(names) > SHOWN_NAMES else ''}"
 
 
+def check_state_dict_shapes(expected: dict[str, tuple[int, ...]], given: dict[str, tuple[int, ...]], source: str,
+                            what: str, optional: tuple[str, ...] = ()) -> None:
+    """Raise :class:`CheckpointError` naming ``source``, ``what`` it should be, and the missing /
+    unexpected / mis-shaped tensors when the names and shapes ``given`` are not the ``expected`` ones."""
+    missing = set(expected) - set(given) - set(optional)
+    unexpected = set(given) - set(expected)
+    wrong = [f"{k}: file {tuple(given[k])} vs model {expected[k]}"
+             for k in sorted(expected) if k in given and tuple(given[k]) != expected[k]]
+    if missing or unexpected or wrong:
+        parts = [f"{label} {_listed(names)}" for label, names in
+                 (("missing tensors", missing), ("unexpected tensors", unexpected)) if names]
+        if wrong:
+            parts.append(f"mis-shaped tensors {wrong[:SHOWN_NAMES]}")
+        raise CheckpointError(f"{source}: does not match {what}: " + "; ".join(parts))
+
+
 def assign_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], source: str, what: str,
                       optional: tuple[str, ...] = ()) -> nn.Module:
     """Assign ``state_dict`` to ``model`` (built under :func:`parameters_on_meta`), checking names and shapes.
@@ -46,16 +62,7 @@ def assign_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], sou
     Raises:
         CheckpointError: naming ``source``, ``what`` it should be, and the missing / unexpected / mis-shaped tensors.
     """
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    missing = set(expected) - set(state_dict) - set(optional)
-    unexpected = set(state_dict) - set(expected)
-    wrong = [f"{k}: file {tuple(state_dict[k].shape)} vs model {expected[k]}"
-             for k in sorted(expected) if k in state_dict and tuple(state_dict[k].shape) != expected[k]]
-    if missing or unexpected or wrong:
-        parts = [f"{label} {_listed(names)}" for label, names in
-                 (("missing tensors", missing), ("unexpected tensors", unexpected)) if names]
-        if wrong:
-            parts.append(f"mis-shaped tensors {wrong[:SHOWN_NAMES]}")
-        raise CheckpointError(f"{source}: does not match {what}: " + "; ".join(parts))
+    check_state_dict_shapes({k: tuple(v.shape) for k, v in model.state_dict().items()},
+                            {k: tuple(v.shape) for k, v in state_dict.items()}, source, what, optional)
     model.load_state_dict(state_dict, assign=True, strict=False)
     return model.eval()

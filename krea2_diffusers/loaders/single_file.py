@@ -102,7 +102,7 @@ def _shard_files(path: Path) -> list[Path]:
     return [path]
 
 
-def _identify(keys: list[str], path: Path) -> str:
+def identify_layout(keys: list[str], path: Path) -> str:
     """'original' or 'diffusers' layout, or a CheckpointError saying what the file is instead."""
     bare = {strip_original_prefix(k) for k in keys}
     if "txtfusion.projector.weight" in bare or "first.weight" in bare:
@@ -163,7 +163,7 @@ def load_single_file(cls, path, torch_dtype: torch.dtype | None = None, config: 
     files = _shard_files(path)
     headers = {f: read_safetensors_header(f)[0] for f in files}
     keys = [k for h in headers.values() for k in h if not comfy_fp8.is_auxiliary(k)]
-    layout = _identify(keys, path)
+    layout = identify_layout(keys, path)
     if layout == "original":
         dormant = [k for k in keys if strip_original_prefix(k).startswith(DORMANT_ORIGINAL_PREFIXES)]
         if dormant:
@@ -224,7 +224,7 @@ def locate_transformer_tensors(path, config: dict | None = None) -> tuple[dict, 
         raise CheckpointError(f"{path}: a scaled-fp8 file holds rounded weights that cannot be trained in place; "
                               "train from a bf16/fp32 file (or a LoRA over it with model.quantize: fp8)")
     keys = [k for h, _, _ in headers.values() for k in h]
-    layout = _identify(keys, path)
+    layout = identify_layout(keys, path)
     if layout == "original" and config is None:
         config = infer_config_from_shapes({strip_original_prefix(k): tuple(e["shape"]) for h, _, _ in headers.values() for k, e in h.items()})
     if config is None:

@@ -255,7 +255,7 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
 
     @classmethod
     def from_single_file(cls, path, torch_dtype: torch.dtype | None = None, config: dict | None = None,
-                         upcast_fp8: bool = False):
+                         upcast_fp8: bool = False, quantization: str | None = None, device=None):
         """Load from an original-layout single file (``model.diffusion_model.`` prefix allowed, or
         sharded with an index), a diffusers-layout file (with ``config``) or a GGUF file.
 
@@ -264,10 +264,20 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
 
         The config is inferred from tensor shapes when not given; no ``torch_dtype`` keeps the stored
         dtypes. The model is built on the meta device, so loading needs about one copy of the weights.
+
+        ``quantization="fp8" | "int8" | "nf4"`` stores the block matrices quantized, streamed: each
+        block is read and quantized (on ``device``, default CPU) before the next is read, so the
+        full-precision model never exists whole (see :mod:`krea2_diffusers.loaders.quantized`).
+        ``torch_dtype`` is then the kept layers' dtype and the compute dtype (default bfloat16).
         """
+        if quantization is not None:
+            from ..loaders.quantized import load_quantized_transformer
+
+            return load_quantized_transformer(cls, path, quantization, torch_dtype=torch_dtype, config=config, device=device)
         from ..loaders.single_file import load_single_file
 
-        return load_single_file(cls, path, torch_dtype=torch_dtype, config=config, upcast_fp8=upcast_fp8)
+        model = load_single_file(cls, path, torch_dtype=torch_dtype, config=config, upcast_fp8=upcast_fp8)
+        return model.to(device) if device is not None else model
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -191,6 +191,43 @@ def apply_plan(pipe, plan: MemoryPlan, device: torch.device) -> None:
         pipe.vae.to(device)
 
 
+# Full-size components whose source is a hub id (not on disk to measure): bf16 bytes.
+TEXT_ENCODER_BYTES = int(8.9e9)
+VAE_BYTES = int(0.25e9)
+
+
+def _source_bytes(source, default: int) -> int:
+    from .host_memory import file_bytes
+
+    if source is not None and str(source) == "tiny-random":
+        return 0
+    return file_bytes(source) or default
+
+
+def storage_for_file(model, memory: str, device, text_encoder=None, vae=None) -> str | None:
+    """The transformer storage (``"fp8" | "nf4" | None``) ``memory`` will choose for the transformer
+    file ``model``, decided from the file's shapes before loading, so the streamed loader stores it
+    quantized from the start (the full-precision model never exists whole). None for a GGUF file,
+    a folder or hub id (those are quantized in place after loading, as before)."""
+    from pathlib import Path
+
+    from ..loaders.single_file import locate_transformer_tensors
+    from ..models.transformer import Krea2Transformer2DModel
+
+    if memory not in MEMORY_PRESETS:
+        raise ValueError(f"memory={memory!r} is not a memory preset; choose one of {', '.join(MEMORY_PRESETS)}")
+    path = Path(str(model))
+    if path.suffix == ".gguf" or not (path.is_file() or path.name.endswith(".index.json")):
+        return None
+    config, _ = locate_transformer_tensors(path)
+    with torch.device("meta"):
+        transformer = Krea2Transformer2DModel(**config)
+    sizes = component_bytes(transformer), _source_bytes(text_encoder, TEXT_ENCODER_BYTES), _source_bytes(vae, VAE_BYTES)
+    budget = _budget(memory, torch.device(device))
+    fits = budget is None or sum(sizes) + ACTIVATION_HEADROOM <= budget
+    return plan_memory(*sizes, budget, bnb_available=not fits and _bnb_usable()).transformer_storage
+
+
 def apply_memory_preset(pipe, memory: str = "auto", device: str | torch.device | None = None) -> str:
     """Fit ``pipe`` into a memory budget and say how.
 

@@ -49,7 +49,7 @@ def require_bitsandbytes():
     return bnb
 
 
-def skipper(keep: tuple[str, ...]) -> Callable[[str], bool]:
+def keep_filter(keep: tuple[str, ...]) -> Callable[[str], bool]:
     def skip(name: str) -> bool:
         parts = name.split(".")
         if any(part.startswith(ADAPTER_PREFIXES) for part in parts):
@@ -91,7 +91,7 @@ def quantize_linears_(module: nn.Module, mode: str, *, keep: tuple[str, ...] = (
     if mode not in BNB_MODES:
         raise ValueError(f"unknown bitsandbytes mode {mode!r}; choose one of {BNB_MODES}")
     bnb = require_bitsandbytes()
-    skip = skipper(keep)
+    skip = keep_filter(keep)
     targets = [(name, child) for name, child in module.named_modules() if type(child) is nn.Linear and not skip(name)]
     for name, child in targets:
         parent_name, _, attr = name.rpartition(".")

@@ -145,9 +145,9 @@ def replace_linears_(model: nn.Module, scales: dict[str, torch.Tensor]) -> int:
 def quantize_fp8_(module: nn.Module, keep: tuple[str, ...] = (), compute_dtype: torch.dtype = torch.bfloat16) -> int:
     """Replace every plain ``nn.Linear`` of ``module`` (in place) by a per-row :class:`Fp8Linear`,
     except those whose name is or contains a ``keep`` entry; returns the number replaced."""
-    from .bnb import skipper
+    from .bnb import keep_filter
 
-    skip = skipper(keep)
+    skip = keep_filter(keep)
     targets = [(name, child) for name, child in module.named_modules() if type(child) is nn.Linear and not skip(name)]
     for name, child in targets:
         parent_name, _, attr = name.rpartition(".")

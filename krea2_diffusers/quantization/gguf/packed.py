@@ -70,6 +70,14 @@ class PackedLinear(nn.Linear):
 
 
 def resident_bytes(module: nn.Module) -> int:
-    """Resident bytes of all parameters and buffers of ``module`` (packed or not)."""
+    """Resident bytes of all parameters and buffers of ``module`` (packed or not), with the scales
+    bitsandbytes keeps beside a packed weight (NF4's ``quant_state.absmax``, int8's ``SCB``)."""
     tensors = list(module.parameters()) + list(module.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors)
+    for param in module.parameters():
+        state = getattr(param, "quant_state", None)
+        nested = getattr(state, "state2", None)  # NF4's absmax is itself quantized (compress_statistics)
+        tensors += [getattr(state, "absmax", None), getattr(nested, "absmax", None), getattr(param, "SCB", None)]
+    for layer in module.modules():  # int8 layers move SCB into their state after the first forward
+        tensors.append(getattr(getattr(layer, "state", None), "SCB", None))
+    unique = {id(t): t for t in tensors if isinstance(t, torch.Tensor)}
+    return sum(t.numel() * t.element_size() for t in unique.values())

@@ -23,7 +23,6 @@ from ...loaders.convert import (
     DORMANT_ORIGINAL_PREFIXES,
     UnknownKeyError,
     diffusers_module_to_original,
-    is_original_layout,
     strip_original_prefix,
 )
 from .qtypes import WRITABLE_TYPES, row_bytes
@@ -39,7 +38,9 @@ ARCHITECTURE = "krea2"
 
 def _plan(path: Path, header: dict) -> list[tuple[str, str, tuple[int, ...]]]:
     """``[(source name, original name, original shape)]`` in file order, dormant tensors skipped."""
-    original = is_original_layout(header)
+    from ...loaders.single_file import identify_layout
+
+    original = identify_layout(list(header), path) == "original"  # another architecture is named here
     plan = []
     for src, entry in header.items():
         shape = tuple(int(d) for d in entry["shape"])

@@ -1,0 +1,255 @@
+"""The 12.8B Krea 2 transformer for real, on this machine (CPU, or a GPU when one is there), with
+random weights and the streamed quantized loader.
+
+    python bench/full_size.py generate --quantize {fp8,int8,nf4,Q4_K} [--resolution 128] [--steps 2]
+                                       [--checkpoint PATH] [--json OUT]
+    python bench/full_size.py train    --quantize {fp8,int8,nf4}      [--resolution 128] [--steps 2]
+                                       [--checkpoint PATH] [--json OUT]
+
+``--checkpoint``: the random full-size original-layout file (bench/full_size_models.py), created
+there, tensor by tensor, if missing. ``generate`` makes one image (2 steps, guidance off, one
+transformer forward a step) through ``krea2 generate`` with the transformer stored as fp8 / int8 /
+nf4 (streamed in by block) or as a Q4_K GGUF written by ``krea2 quantize`` (streamed too).
+``train`` runs ``krea2 train``: LoRA r32 on the quantized base, batch 1, activation checkpointing,
+then the LoRA export. On CPU everything kept in full precision computes in float32 (a 2-thread
+bf16 matmul runs at a third of float32's speed), on a GPU in bf16.
+
+Measured: the peak anonymous RSS of the process tree (this process and its children, sampled), the
+plan's host figure for the same setup (``krea2 generate/train --dry-run``), seconds per step, the
+quantized transformer's bytes, and for ``train`` the step losses and the exported LoRA files.
+Everything besides ``--json`` and the checkpoint is written under a temporary folder that is removed.
+Exit 0 only when the run completed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+sys.path.insert(0, str(ROOT / "bench"))
+
+DEFAULT_CHECKPOINT = Path.home() / ".cache" / "krea2-diffusers" / "krea2-full-size-random.safetensors"
+GENERATE_MODES = ("fp8", "int8", "nf4", "Q4_K")
+TRAIN_MODES = ("fp8", "int8", "nf4")
+PROMPT = "a lighthouse on a cliff at dusk, oil painting"
+GIB = 1024**3
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="mode", required=True)
+    for mode, choices in (("generate", GENERATE_MODES), ("train", TRAIN_MODES)):
+        p = sub.add_parser(mode)
+        p.add_argument("--quantize", required=True, choices=choices)
+        p.add_argument("--resolution", type=int, default=128)
+        p.add_argument("--steps", type=int, default=2)
+        p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
+        p.add_argument("--json", type=Path, default=None)
+    return parser.parse_args(argv)
+
+
+def _anon_rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            for line in handle:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass  # the process ended between listing and reading
+    return 0
+
+
+class TreePeak:
+    """Samples the anonymous RSS summed over this process and all its descendants (every 0.2 s)."""
+
+    def __init__(self, interval: float = 0.2):
+        self.interval, self.peak = interval, 0
+        self._done = threading.Event()
+
+    def _tree(self) -> list[int]:
+        import psutil
+
+        me = psutil.Process()
+        return [me.pid] + [c.pid for c in me.children(recursive=True)]
+
+    def _sample(self) -> None:
+        while not self._done.is_set():
+            self.peak = max(self.peak, sum(_anon_rss(pid) for pid in self._tree()))
+            time.sleep(self.interval)
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+        self._thread.join()
+
+
+def _krea2(*args: str, log: Path) -> str:
+    """Run ``krea2 ARGS`` (this checkout's) as a child; its output is echoed and returned; a failure exits."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    print("$ krea2 " + " ".join(args), flush=True)
+    with open(log, "w") as handle:
+        code = subprocess.call([sys.executable, "-m", "krea2_diffusers.cli", *args], stdout=handle, stderr=subprocess.STDOUT,
+                               env=env, cwd=str(ROOT))
+    text = log.read_text()
+    print(text[-4000:], flush=True)
+    if code != 0:
+        raise SystemExit(f"krea2 {args[0]} failed (exit {code}); see the output above")
+    return text
+
+
+def _plan_bytes(text: str) -> int:
+    match = re.search(r"host peak[^\n]*?([\d.]+) GiB", text)
+    if not match:
+        raise SystemExit("the dry run printed no host plan")
+    return int(float(match.group(1)) * GIB)
+
+
+def ensure_checkpoint(path: Path) -> None:
+    if path.exists():
+        return
+    from full_size_models import write_random_checkpoint
+
+    start = time.perf_counter()
+    count = write_random_checkpoint(path)
+    print(f"wrote {path}: {count:,} parameters in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def generate(args, tmp: Path, device: str) -> dict:
+    """One image in this process: plan, streamed quantized load, ``steps`` denoising steps."""
+    import torch
+
+    from krea2_diffusers import Krea2Pipeline, Krea2Transformer2DModel
+    from krea2_diffusers.loaders.assembly import load_pipeline
+    from krea2_diffusers.pipelines.host_memory import host_ram, plan_host_memory
+    from krea2_diffusers.pipelines.memory import release_text_encoder
+    from krea2_diffusers.quantization.gguf import resident_bytes
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model, quantization = args.checkpoint, args.quantize
+    if args.quantize == "Q4_K":
+        model, quantization = tmp / "krea2-Q4_K.gguf", None
+        _krea2("quantize", str(args.checkpoint), str(model), "--type", "Q4_K", log=tmp / "quantize.log")
+    tokens = (args.resolution // 16) ** 2 + len(PROMPT.split()) * 2
+    plan = plan_host_memory(model, quantization, dtype, text_encoder=tmp / "text_encoder", vae=None, tokens=tokens,
+                            release_text_encoder=True)
+    print(plan.render(host_ram(), []), flush=True)
+    # As a 24 GB machine runs it: encode the prompt, drop the text encoder, then stream the transformer in.
+    pipe = load_pipeline(Krea2Pipeline, str(model), text_encoder=str(tmp / "text_encoder"), vae="tiny-random",
+                         torch_dtype=dtype, transformer=None)
+    embeds, mask = pipe.encode_prompt([PROMPT], device=device)
+    release_text_encoder(pipe)
+    start = time.perf_counter()
+    pipe.register_modules(transformer=Krea2Transformer2DModel.from_single_file(
+        model, torch_dtype=dtype, quantization=quantization, device=device if device != "cpu" else None))
+    print(f"transformer loaded in {time.perf_counter() - start:.0f} s", flush=True)
+    stamps = []
+
+    def on_step(pipe, step, timestep, kwargs):
+        stamps.append(time.perf_counter())
+        print(f"step {step + 1}/{args.steps} at {stamps[-1] - start:.0f} s", flush=True)
+        return kwargs
+
+    start = time.perf_counter()
+    image = pipe(prompt_embeds=embeds, prompt_embeds_mask=mask, height=args.resolution, width=args.resolution, num_inference_steps=args.steps, guidance_scale=0.0,
+                 generator=torch.Generator(device).manual_seed(0), callback_on_step_end=on_step).images[0]
+    image.save(tmp / "image.png")
+    # the first step also pays one-time costs: the later ones are the steady figure
+    steps = [b - a for a, b in zip(stamps, stamps[1:])] or [stamps[0] - start]
+    return dict(plan_host_bytes=plan.total, quantized_transformer_bytes=resident_bytes(pipe.transformer),
+                seconds_per_step=sum(steps) / len(steps))
+
+
+TRAIN_CONFIG = """
+output_dir: {out}
+model:
+  pretrained_model_name_or_path: {checkpoint}
+  text_encoder: {text_encoder}
+  vae: tiny-random
+  dtype: {dtype}
+  quantize: {quantize}
+  max_sequence_length: 32
+data:
+  synthetic: {{num_prompts: 2, size: {resolution}}}
+  resolution: {resolution}
+  caption_dropout: 0.0
+training:
+  method: lora
+  max_steps: {steps}
+  batch_size: 1
+  seed: 0
+  activation_checkpointing: full
+lora: {{rank: 32, alpha: 32}}
+optimizer: {{learning_rate: 1.0e-4}}
+checkpointing: {{every_n_steps: 1000000}}
+export:
+  formats: [diffusers, comfyui, kohya]
+"""
+
+
+def train(args, tmp: Path, device: str) -> dict:
+    out = tmp / "run"
+    config = tmp / "train.yaml"
+    config.write_text(TRAIN_CONFIG.format(out=out, checkpoint=args.checkpoint, text_encoder=tmp / "text_encoder",
+                                          dtype="float32" if device == "cpu" else "bfloat16", quantize=args.quantize,
+                                          resolution=args.resolution, steps=args.steps))
+    plan = _plan_bytes(_krea2("train", str(config), "--dry-run", log=tmp / "plan.log"))
+    text = _krea2("train", str(config), log=tmp / "train.log")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    losses = [float(r["loss"]) for r in rows]
+    if len(losses) != args.steps or not all(l == l and abs(l) != float("inf") for l in losses):
+        raise SystemExit(f"expected {args.steps} finite losses, got {losses}")
+    exports = sorted(str(p) for p in out.rglob("*.safetensors") if "checkpoints" not in p.parts)
+    if not exports:
+        raise SystemExit(f"no LoRA export under {out}")
+    quantized = int(re.search(r"transformer: (\d+) bytes", text).group(1))
+    # the first step also builds the optimizer state and warms up: the last step is the steady one
+    return dict(plan_host_bytes=plan, quantized_transformer_bytes=quantized, seconds_per_step=float(rows[-1]["step_time"]),
+                losses=losses, exports=exports)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from full_size_models import write_random_text_encoder
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    args.checkpoint = args.checkpoint.resolve()
+    ensure_checkpoint(args.checkpoint)
+    tmp = Path(tempfile.mkdtemp(prefix="krea2-full-size-"))
+    try:
+        write_random_text_encoder(tmp / "text_encoder")
+        with TreePeak() as peak:
+            result = (generate if args.mode == "generate" else train)(args, tmp, device)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    result = dict(peak_host_bytes=peak.peak, device=device_name, **result)
+    print(json.dumps(result, indent=2))
+    print(f"{args.mode} {args.quantize}: peak host {peak.peak / GIB:.2f} GiB (plan {result['plan_host_bytes'] / GIB:.2f}), "
+          f"quantized transformer {result['quantized_transformer_bytes'] / GIB:.2f} GiB, {result['seconds_per_step']:.1f} s/step")
+    if args.json:
+        from krea2_diffusers.files import atomic_write
+
+        with atomic_write(args.json, "w") as handle:
+            json.dump(result, handle, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
