@@ -51,7 +51,7 @@ class CaptionJob:
         """Loads the model before the first claim: a model that cannot load stops the worker
         without charging any row an attempt."""
         if self.model is None:
-            from .worker import load_model
+            from .models import load_model
 
             self.model, self.tokenizer = load_model("caption", self.config.model, load_captioner)
         return True

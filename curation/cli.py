@@ -92,8 +92,9 @@ def _dispatch(args: argparse.Namespace) -> int:
                            args.allow_random_weights)
             print(json.dumps(dict(handled)))
         elif command == "run":
+            from .models import check_model
             from .pool import run_workers, worker_command
-            from .worker import check_model, parse_jobs
+            from .worker import parse_jobs
 
             jobs = parse_jobs(args.jobs)
             location = ["--db", args.db] if args.db else ["--dsn", args.dsn]

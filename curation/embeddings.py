@@ -64,7 +64,7 @@ class EmbedJob:
         """Loads the model before the first claim: a model that cannot load stops the worker
         without charging any row an attempt."""
         if self.model is None:
-            from .worker import load_model
+            from .models import load_model
 
             self.model, self.preprocess = load_model("embed", self.config.model, load_encoder)
         return True

@@ -12,15 +12,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import time
 import traceback
 from collections import Counter
 
 from .config import CurationConfig
+from .models import ModelUnavailable, check_model
 from .schema import JOBS, UPSTREAM
 from .screening import DecodedImages, filter_row, probe_row
-from .server import WarehouseError
 from .warehouse import Outcome, Warehouse
 
 logger = logging.getLogger(__name__)
@@ -69,37 +68,6 @@ class FilterJob(ScreeningJob):
         outcomes = [filter_row(row, self.config, self.decoded) for row in rows]
         self.decoded.clear()
         return warehouse.write("filter", outcomes, hand_off=hand_off)
-
-
-class ModelUnavailable(WarehouseError):
-    """A job's model cannot be used (random weights not allowed, absent offline): the worker stops
-    with this message instead of charging every row an attempt."""
-
-
-def check_model(job: str, config: CurationConfig, allow_random_weights: bool) -> None:
-    """Refuse a model-backed job's ``tiny-random`` unless allowed; announce it as the pipeline does
-    when it is."""
-    from krea2_diffusers.models.tiny import TINY_LABEL, is_tiny
-
-    model = {"caption": config.caption.model, "embed": config.embed.model}.get(job)
-    if not is_tiny(model):
-        return
-    if not allow_random_weights:
-        raise ModelUnavailable(f"{job}.model is {TINY_LABEL}; pass --allow-random-weights to run {job} with it "
-                               f"anyway, or name a real model in --config ({job}: {{model: ...}})")
-    logger.warning("Loaded %s", TINY_LABEL)
-    print(f"krea2 curate {job}: model: {TINY_LABEL}", file=sys.stderr)
-
-
-def load_model(job: str, model: str, loader):
-    """``loader(model)``, with a failure (absent offline, unknown id) turned into one clear line."""
-    try:
-        return loader(model)
-    except (OSError, ValueError) as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ModelUnavailable(f"{job}.model {model!r} cannot be loaded ({reason}); download it first (e.g. "
-                               f"`hf download {model}`), name a local folder, or use tiny-random with "
-                               "--allow-random-weights for a dry run") from None
 
 
 def make_job(name: str, config: CurationConfig, decoded: DecodedImages | None = None,

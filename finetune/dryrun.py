@@ -203,7 +203,7 @@ def host_plan(config: TrainConfig, plan: MemoryPlan, on_gpu: bool) -> HostPlan:
     quantization = config.model.quantize if lora and config.model.quantize != "none" else None
     transformer_config, source = transformer_weights(config.model)
     source.close()
-    _, loading = planned_transformer_bytes(transformer_config, quantization, DTYPES[config.model.dtype])
+    _, loading = planned_transformer_bytes(Krea2Transformer2DModel, transformer_config, quantization, DTYPES[config.model.dtype])
     rows = [(label, size) for label, size in plan.rows if not label.startswith("CUDA")]
     if not on_gpu:
         for label, size in rows:

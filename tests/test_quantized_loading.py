@@ -51,7 +51,7 @@ def test_streamed_load_equals_quantizing_the_loaded_model(checkpoint, mode):
         assert all(torch.equal(a[k], b[k]) for k in a)
         assert torch.equal(got, same)
     assert ((got - want).norm() / want.norm()).item() < 5e-2  # the quantization error, not a broken layer
-    resident, loading = planned_transformer_bytes(CONFIG, mode, torch.float32)
+    resident, loading = planned_transformer_bytes(Krea2Transformer2DModel, CONFIG, mode, torch.float32)
     assert resident == resident_bytes(streamed)  # the plan counts what the loader keeps, exactly
     assert loading > 0
 

@@ -139,14 +139,11 @@ def quantized_linear_bytes(in_features: int, out_features: int, mode: str, bias_
     return (weights + 1) // 2 + blocks + 4 * -(-blocks // 256) + bias_bytes
 
 
-def planned_transformer_bytes(config: dict, quantization: str | None, torch_dtype: torch.dtype,
-                              cls=None) -> tuple[int, int]:
-    """(resident bytes, extra peak bytes while loading) of a transformer of ``config`` loaded with
+def planned_transformer_bytes(cls, config: dict, quantization: str | None, torch_dtype: torch.dtype) -> tuple[int, int]:
+    """(resident bytes, extra peak bytes while loading) of a transformer ``cls(**config)`` loaded with
     ``quantization`` (None: every tensor in ``torch_dtype``), counted from the module tree built on
     the meta device. The extra is one block in the file's bf16 plus the quantizer's float32
     temporaries of the largest matrix (three float32 copies and the codes: ~13 bytes a weight)."""
-    if cls is None:
-        from ..models.transformer import Krea2Transformer2DModel as cls
     with torch.device("meta"):
         model = cls(**config)
     packed = _quantized_weights(model) if quantization else set()

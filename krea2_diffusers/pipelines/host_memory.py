@@ -66,6 +66,7 @@ def plan_host_memory(model, quantization: str | None, torch_dtype: torch.dtype, 
     """
     from ..loaders.quantized import planned_transformer_bytes
     from ..loaders.single_file import locate_transformer_tensors
+    from ..models.transformer import Krea2Transformer2DModel
 
     plan = HostPlan()
     plan.add("process (python, torch, libraries)", PROCESS_BASELINE)
@@ -79,10 +80,8 @@ def plan_host_memory(model, quantization: str | None, torch_dtype: torch.dtype, 
         plan.add("transformer (GGUF, packed as stored)", path.stat().st_size)
         return plan
     config, _ = locate_transformer_tensors(path)
-    resident, loading = planned_transformer_bytes(config, quantization, torch_dtype)
+    resident, loading = planned_transformer_bytes(Krea2Transformer2DModel, config, quantization, torch_dtype)
     plan.add(f"transformer ({quantization or str(torch_dtype).removeprefix('torch.')})", resident)
-    from ..models.transformer import Krea2Transformer2DModel
-
     with torch.device("meta"):
         model = Krea2Transformer2DModel(**config)
     largest = max(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
