@@ -103,7 +103,7 @@ def bf16_trainer(tmp_path_factory):
 
 def test_under_bf16_a_zero_lora_samples_and_scores_exactly_like_the_base(bf16_trainer):
     trainer = bf16_trainer
-    prompt_ids, noise, lv_noise = trainer.step_inputs(0)
+    prompt_ids, noise, lv_noise = trainer.draft_inputs(0)
     text = trainer.conditioning(prompt_ids)
     latents, lv = trainer.sample(trainer.model, text, noise, lv_noise)  # the training path, with gradients
     base_latents, base_lv = trainer.sample(trainer.base, text, noise, lv_noise, grad=False)
@@ -113,17 +113,18 @@ def test_under_bf16_a_zero_lora_samples_and_scores_exactly_like_the_base(bf16_tr
     assert torch.equal(rewards[0].detach(), rewards[2]) and torch.equal(rewards[1].detach(), rewards[3])
     assert trainer.evaluate()["eval/reward_vs_base"] == 0.0
     # The guard is real: the base sampled outside the autocast differs.
-    trainer.runtime.autocast = contextlib.nullcontext
+    # (The reference holds the run's precision context itself: both are switched off.)
+    trainer.runtime.autocast = trainer.reference.precision = contextlib.nullcontext
     try:
         fp32_latents, _ = trainer.sample(trainer.base, text, noise, grad=False)
     finally:
-        trainer.runtime.autocast = bf16_autocast
+        trainer.runtime.autocast = trainer.reference.precision = bf16_autocast
     assert not torch.equal(fp32_latents, base_latents)
 
 
 def test_only_the_last_k_conditional_forwards_and_the_lv_step_carry_gradients(bf16_trainer):
     trainer = bf16_trainer
-    prompt_ids, noise, lv_noise = trainer.step_inputs(0)
+    prompt_ids, noise, lv_noise = trainer.draft_inputs(0)
     text = trainer.conditioning(prompt_ids)
     calls = []
 

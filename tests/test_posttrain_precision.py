@@ -25,7 +25,18 @@ from finetune.posttrain.rollout import initial_noise, text_positions
 from finetune.posttrain.run import trainer_for
 
 sys.path.insert(0, str(Path(__file__).parent))  # the reward plug-in posttrain_rewards
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_accelerate_state")
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """Accelerate keeps one mixed-precision setting per process: an earlier test's trainer (fp32)
+    would refuse these bf16 runs, and theirs would leak into later tests. Reset before and after."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 PROMPTS = ["a picture", "an image of a thing"]
 _PROJECTION = torch.randn(16, 3, generator=torch.Generator().manual_seed(1))

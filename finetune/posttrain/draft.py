@@ -131,7 +131,7 @@ class DraftTrainer(PosttrainTrainer):
         return checkpoint(decode_latents, self.pipe.vae, unpacked, use_reentrant=False)
 
     # ---------------------------------------------------------------- one step
-    def step_inputs(self, index: int) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
+    def draft_inputs(self, index: int) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
         """This process's prompt ids, initial noise (B, N, C) and LV noise (or None) of forward
         ``index``, drawn for the run's whole global batch (the same after a resume on any number
         of processes)."""
@@ -156,7 +156,7 @@ class DraftTrainer(PosttrainTrainer):
 
         for micro in range(accumulation):
             index = step * accumulation + micro
-            prompt_ids, noise, lv_noise = self.step_inputs(index)
+            prompt_ids, noise, lv_noise = self.draft_inputs(index)
             text = self.conditioning(prompt_ids)
             prompts = [self.prompts[i] for i in prompt_ids]
             metadata = [{"prompt_index": i, "step": step + 1, "sample": j} for j, i in enumerate(prompt_ids)]
