@@ -65,11 +65,7 @@ class DraftTrainer(PosttrainTrainer):
 
     def encode_inputs(self) -> None:
         """Every prompt and the empty negative prompt (the last row), once."""
-        device = self.runtime.device
-        self.text = []
-        for prompt in [*self.prompts, ""]:
-            embeds, mask = self.pipe.encode_prompt(prompt, device=device, max_sequence_length=self.config.model.max_sequence_length)
-            self.text.append((embeds.cpu(), mask.cpu()))
+        self.text = self.encode_prompts([*self.prompts, ""])
         self.times = schedule(self.config.draft.num_inference_steps, self.size, self.size)
 
     def setup(self) -> None:

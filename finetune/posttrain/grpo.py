@@ -65,11 +65,7 @@ class GRPOTrainer(PosttrainTrainer):
         self.size = section.resolution
 
     def encode_inputs(self) -> None:
-        device = self.runtime.device
-        self.text = []
-        for prompt in self.prompts:  # once: the text encoder can leave the GPU afterwards
-            embeds, mask = self.pipe.encode_prompt(prompt, device=device, max_sequence_length=self.config.model.max_sequence_length)
-            self.text.append((embeds.cpu(), mask.cpu()))
+        self.text = self.encode_prompts(self.prompts)
         self.times = schedule(self.config.grpo.num_inference_steps, self.size, self.size)
 
     def setup(self) -> None:
@@ -96,7 +92,7 @@ class GRPOTrainer(PosttrainTrainer):
         return torch.cat([p.cpu() for p in parts])
 
     def train_step(self, step: int, items=None) -> tuple[float, float]:
-        config, runtime, section = self.config, self.runtime, self.config.grpo
+        runtime, section = self.runtime, self.config.grpo
         # The run's global batch of prompts, kept on resume with another number of processes.
         group, per_rank = section.group_size, self.global_batch.micro_batch // runtime.world_size
         generator = self.generator(step)

@@ -56,6 +56,16 @@ class PosttrainTrainer(Trainer):
     def encode_inputs(self) -> None:
         """Encode what needs the text encoder / VAE (the pipeline is loaded)."""
 
+    def encode_prompts(self, prompts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each prompt's (embeds (1, L, D), mask (1, L)) on the CPU, encoded once: the text encoder
+        can leave the GPU afterwards."""
+        device, length = self.runtime.device, self.config.model.max_sequence_length
+        encoded = []
+        for prompt in prompts:
+            embeds, mask = self.pipe.encode_prompt(prompt, device=device, max_sequence_length=length)
+            encoded.append((embeds.cpu(), mask.cpu()))
+        return encoded
+
     def trainable_module(self, transformer: torch.nn.Module) -> torch.nn.Module:
         """LoRA: attach the adapters to the loaded base; returns the module the engine trains."""
         compute = torch.float32 if self.config.model.dtype == "float32" else torch.bfloat16
