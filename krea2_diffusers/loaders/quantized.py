@@ -19,6 +19,7 @@ from torch import nn
 
 from ..files import CheckpointError, read_bytes_into
 from ..quantization.bnb import BNB_MODES, TRANSFORMER_KEEP, keep_filter
+from ..quantization.bnb_packing import CHUNK_WEIGHTS
 from .meta import check_state_dict_shapes
 from .single_file import TensorLocation, locate_transformer_tensors
 
@@ -143,7 +144,8 @@ def planned_transformer_bytes(cls, config: dict, quantization: str | None, torch
     """(resident bytes, extra peak bytes while loading) of a transformer ``cls(**config)`` loaded with
     ``quantization`` (None: every tensor in ``torch_dtype``), counted from the module tree built on
     the meta device. The extra is one block in the file's bf16 plus the quantizer's float32
-    temporaries of the largest matrix (three float32 copies and the codes: ~13 bytes a weight)."""
+    temporaries (three float32 copies and the codes: ~13 bytes a weight) of the largest matrix for
+    fp8, of one chunk for int8 / NF4 (quantized on CPU chunk by chunk, ``bnb_packing``)."""
     with torch.device("meta"):
         model = cls(**config)
     packed = _quantized_weights(model) if quantization else set()
@@ -159,4 +161,6 @@ def planned_transformer_bytes(cls, config: dict, quantization: str | None, torch
         total += quantized_linear_bytes(linear.in_features, linear.out_features, quantization)
         largest = max(largest, linear.weight.numel())
     block = sum(p.numel() for p in model.transformer_blocks[0].parameters()) * 2
+    if quantization in BNB_MODES:
+        largest = min(largest, CHUNK_WEIGHTS)
     return total, (block + 13 * largest) if quantization else 0

@@ -59,20 +59,32 @@ def keep_filter(keep: tuple[str, ...]) -> Callable[[str], bool]:
 
 
 def _replacement(bnb, linear: nn.Linear, mode: str, compute_dtype: torch.dtype) -> nn.Module:
+    from .bnb_packing import quantize_int8, quantize_nf4
+
     weight = linear.weight.data
     bias = linear.bias
+    on_cpu = weight.device.type == "cpu"
     if mode == "nf4":
         new = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=bias is not None,
                                 compute_dtype=compute_dtype, quant_type="nf4", device="meta")
-        new.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")
+        if on_cpu:  # the same bytes as bitsandbytes' own quantizer, with chunk-sized temporaries
+            packed, state = quantize_nf4(weight)
+            new.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, quant_type="nf4",
+                                           module=new, bnb_quantized=True)
+        else:
+            new.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")
     else:
         new = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=bias is not None,
                                   has_fp16_weights=False, device="meta")
-        new.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+        if on_cpu:
+            codes, scales = quantize_int8(weight)
+            new.weight = bnb.nn.Int8Params(codes, requires_grad=False, has_fp16_weights=False, CB=codes, SCB=scales)
+        else:
+            new.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
     if bias is not None:
-        new.bias = nn.Parameter(bias.data.to(compute_dtype), requires_grad=False)
-    # bitsandbytes quantizes when the parameter is moved to a device (CPU or CUDA)
-    return new.to(weight.device)
+        new.bias = nn.Parameter(bias.data.to(device=weight.device, dtype=compute_dtype), requires_grad=False)
+    # elsewhere bitsandbytes quantizes when the parameter is moved to the device
+    return new if on_cpu else new.to(weight.device)
 
 
 def quantize_linears_(module: nn.Module, mode: str, *, keep: tuple[str, ...] = (),

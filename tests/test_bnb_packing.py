@@ -1,0 +1,69 @@
+"""NF4 / int8 storage computed on CPU chunk by chunk (krea2_diffusers.quantization.bnb_packing)
+gives bitsandbytes' own bytes: the oracle is bitsandbytes' public quantizers on the same matrix."""
+
+import pytest
+import torch
+
+import bitsandbytes as bnb  # noqa: E402  (a test dependency: pyproject [test])
+import bitsandbytes.functional as F  # noqa: E402
+
+from krea2_diffusers.quantization import bnb_packing  # noqa: E402
+from krea2_diffusers.quantization.bnb import quantize_linears_  # noqa: E402
+
+
+def _awkward_matrix(dtype: torch.dtype) -> torch.Tensor:
+    """(96, 320): random rows plus the cases that decide a code: values exactly on the NF4
+    midpoints (block absmax 1), an all-zero block, +-absmax, subnormal-sized and huge rows."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 320, generator=g)
+    code = F.get_4bit_type("nf4", device="cpu")
+    w[0, :15] = (code[:-1] + code[1:]) / 2
+    w[0, 15:64] = 0.0
+    w[0, 63] = -1.0
+    w[1, :64] = 0.0
+    w[2] *= 1e-30
+    w[3] *= 1e4
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_nf4_bytes_equal_bitsandbytes(dtype, monkeypatch):
+    monkeypatch.setattr(bnb_packing, "CHUNK_WEIGHTS", 64 * 37)  # several chunks and a short last one
+    w = _awkward_matrix(dtype)
+    want, want_state = F.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    got, state = bnb_packing.quantize_nf4(w)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    for name in ("absmax", "offset", "code"):
+        assert torch.equal(getattr(state, name), getattr(want_state, name)), name
+    assert torch.equal(state.state2.absmax, want_state.state2.absmax)
+    assert state.shape == want_state.shape and state.dtype == want_state.dtype
+    assert torch.equal(F.dequantize_4bit(got, state), F.dequantize_4bit(want, want_state))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_bytes_equal_bitsandbytes(dtype, monkeypatch):
+    monkeypatch.setattr(bnb_packing, "CHUNK_WEIGHTS", 320 * 7)  # 7 rows a chunk, a short last one
+    w = _awkward_matrix(dtype)
+    want, want_scales, _ = F.int8_vectorwise_quant(w.to(torch.float16))
+    got, scales = bnb_packing.quantize_int8(w)
+    assert torch.equal(got, want) and torch.equal(scales, want_scales)
+
+
+@pytest.mark.parametrize("mode", ["nf4", "int8"])
+def test_layers_compute_as_bitsandbytes_quantized_them(mode):
+    torch.manual_seed(0)
+    ours = torch.nn.Sequential(torch.nn.Linear(320, 192)).to(torch.bfloat16)
+    theirs = ours[0]
+    quantize_linears_(ours, mode)
+    if mode == "nf4":
+        layer = bnb.nn.Linear4bit(320, 192, compute_dtype=torch.bfloat16, quant_type="nf4", device="meta")
+        layer.weight = bnb.nn.Params4bit(theirs.weight.data, requires_grad=False, quant_type="nf4")
+    else:
+        layer = bnb.nn.Linear8bitLt(320, 192, has_fp16_weights=False, device="meta")
+        layer.weight = bnb.nn.Int8Params(theirs.weight.data, requires_grad=False, has_fp16_weights=False)
+    layer.bias = torch.nn.Parameter(theirs.bias.data, requires_grad=False)
+    layer = layer.to("cpu")  # bitsandbytes quantizes here, the whole matrix at once
+    x = torch.randn(4, 320, dtype=torch.bfloat16)
+    assert torch.equal(ours[0].weight.data, layer.weight.data)
+    with torch.no_grad():
+        assert torch.equal(ours(x), layer(x))
