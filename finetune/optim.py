@@ -23,6 +23,8 @@ def make_optimizer(params: list[torch.nn.Parameter], config: OptimizerConfig) ->
 def lr_multiplier(step: int, config: LRSchedulerConfig, max_steps: int) -> float:
     """Multiplier of the base learning rate for optimizer step ``step`` (0-based, < ``max_steps``).
 
+    ``cosine``: linear warmup, then half a cosine from 1 (step ``warmup_steps``) to exactly
+    ``min_lr_ratio`` on the last step (``max_steps - 1``).
     ``wsd``: warmup, flat, then a linear decay over the last ``decay_steps = max(1,
     round(max_steps * decay_fraction))`` steps whose last step (``max_steps - 1``) is exactly
     ``min_lr_ratio``: decay step ``i`` (1-based) has ``floor + (1 - floor) (1 - i / decay_steps)``.
@@ -40,7 +42,8 @@ def lr_multiplier(step: int, config: LRSchedulerConfig, max_steps: int) -> float
         return (step + 1) / config.warmup_steps
     if config.name == "constant" or config.name == "wsd":
         return 1.0
-    span = max(1, max_steps - config.warmup_steps)
+    # The last step (max_steps - 1) is the end of the half cosine: it is the floor, cos(pi) being -1 exactly.
+    span = max(1, max_steps - 1 - config.warmup_steps)
     progress = min(1.0, (step - config.warmup_steps) / span)
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 

@@ -49,7 +49,9 @@ def test_lr_schedules(name):
     if name == "constant":
         assert curve[10:] == [1.0] * 90
     elif name == "cosine":
-        assert all(a >= b for a, b in zip(curve[10:], curve[11:])) and curve[-1] == pytest.approx(0.1, abs=0.01)
+        assert all(a > b for a, b in zip(curve[10:], curve[11:])) and curve[10] == 1.0 and curve[-1] == 0.1
+        for steps in (12, 13, 50):  # the floor exactly on the last step, whatever the length
+            assert lr_multiplier(steps - 1, config, steps) == 0.1
     else:
         assert curve[10:80] == [1.0] * 70 and all(a > b for a, b in zip(curve[79:], curve[80:]))
         assert curve[80] == pytest.approx(0.1 + 0.9 * 19 / 20) and curve[-1] == 0.1  # the floor on the last step
