@@ -91,9 +91,18 @@ class DataConfig:
 
 @dataclass
 class LoRAConfig:
+    type: Literal["lora", "lokr", "loha"] = "lora"
+    """``lora`` (low-rank ``B @ A``), ``lokr`` (Kronecker product ``kron(w1, w2)``) or ``loha``
+    (Hadamard product of two low-rank matrices), through PEFT's LoraConfig / LoKrConfig / LoHaConfig.
+    Each scales its weight delta by ``alpha / rank``."""
     rank: int = 32
     alpha: float = 32.0
+    factor: int = -1
+    """``lokr`` only: PEFT's ``decompose_factor``, one side of each Kronecker split of a layer's
+    widths (-1: the divisor nearest the square root). ``w2`` (the large factor) is itself
+    decomposed at ``rank`` when ``rank`` is under half its width, otherwise stored whole."""
     dropout: float = 0.0
+    """``lora`` only (PEFT's LoKr/LoHa have no input dropout)."""
     target_modules: list[str] = field(
         default_factory=lambda: [
             "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.to_gate",
@@ -105,6 +114,7 @@ class LoRAConfig:
     """Full names of other linear layers to adapt, e.g. ``img_in``, ``final_layer.linear``, ``time_mod_proj``."""
     train_text_fusion: bool = False
     use_dora: bool = False
+    """``lora`` only."""
 
 
 @dataclass
@@ -225,6 +235,24 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def _validate_adapter(self) -> None:
+        lora = self.lora
+        if lora.factor == 0 or lora.factor < -1:
+            raise ConfigError(f"lora.factor must be -1 (the divisor nearest the square root) or a positive integer, got {lora.factor}")
+        if lora.factor != -1 and lora.type != "lokr":
+            raise ConfigError(f"lora.factor={lora.factor} applies to lora.type lokr only (lora.type is {lora.type!r})")
+        if lora.type == "lora":
+            return
+        if lora.use_dora:
+            raise ConfigError(f"lora.use_dora applies to lora.type lora only (lora.type is {lora.type!r})")
+        if lora.dropout:
+            raise ConfigError(f"lora.dropout={lora.dropout} applies to lora.type lora only (PEFT's {lora.type} has none)")
+        if self.training.method == "lora" and self.model.quantize == "nf4":
+            # PEFT's LoKr/LoHa build their weight delta in the base weight's shape, which a packed
+            # 4-bit layer does not have; fp8 and int8 keep the (out, in) shape.
+            raise ConfigError(f"lora.type={lora.type!r} cannot train over model.quantize 'nf4' (PEFT's {lora.type} "
+                              "needs the base weight's (out, in) shape, which packed 4-bit weights lose); use fp8 or int8")
+
     def validate(self) -> None:
         """Checks that need more than one field (types are checked while parsing)."""
         positive = {
@@ -268,6 +296,7 @@ class TrainConfig:
                 raise ConfigError(f"data.style_references.strength_range must be [low, high] with 0 < low <= high, got {refs.strength_range}")
             if refs.resolution is not None and refs.resolution < 16:
                 raise ConfigError(f"data.style_references.resolution must be >= 16 pixels or null, got {refs.resolution}")
+        self._validate_adapter()
         if len(self.optimizer.betas) != 2:
             raise ConfigError(f"optimizer.betas needs two values, got {self.optimizer.betas}")
         if self.training.method == "full" and any(f in ("comfyui", "kohya") for f in self.export.formats):

@@ -18,7 +18,7 @@ from torch import nn
 from krea2_diffusers import Krea2Transformer2DModel
 from krea2_diffusers.files import atomic_write
 
-from .config import TrainConfig
+from .config import ConfigError, TrainConfig
 from .data.buckets import make_buckets
 from krea2_diffusers.pipelines.host_memory import HostPlan
 
@@ -27,6 +27,7 @@ from .engine.plan import (OPTIMIZER_STATE_BYTES, RUNTIME_OVERHEAD, MemoryPlan, a
 from .methods import ADAPTER_NAME, add_lora, quantize_base
 
 LOG_NAME = "dry-run.log"
+ADAPTER_KINDS = {"lora": "LoRA", "lokr": "LoKr", "loha": "LoHa"}
 PATCH = 16  # pixels per image token: VAE 8 x patch 2
 
 
@@ -118,10 +119,11 @@ def build_plan(config: TrainConfig, world_size: int, copies: ModelCopies = Model
         base = f"{config.model.quantize} " if config.model.quantize != "none" else f"{config.model.dtype} "
         plan.add(f"frozen base ({base.strip()}, full-precision layers kept)", frozen)
         sets = f", {copies.adapters} adapters" if copies.adapters > 1 else ""
-        plan.add(f"LoRA r{config.lora.rank} weights (fp32, {count / 1e6:.1f}M{sets})", trainable)
-        plan.add("LoRA gradients (fp32)", trainable)
+        kind = ADAPTER_KINDS[config.lora.type]
+        plan.add(f"{kind} r{config.lora.rank} weights (fp32, {count / 1e6:.1f}M{sets})", trainable)
+        plan.add(f"{kind} gradients (fp32)", trainable)
         plan.add(f"optimizer state ({config.optimizer.name})", count * OPTIMIZER_STATE_BYTES[config.optimizer.name])
-        what = f"LoRA r{config.lora.rank} on a {base}base"
+        what = f"{kind} r{config.lora.rank} on a {base}base"
     else:
         model.float()
         shards = world_size if world_size > 1 else 1
@@ -224,6 +226,10 @@ def _fitting_modes(config: TrainConfig, world_size: int, copies: ModelCopies, av
     for mode in ("nf4", "int8", "fp8", "none"):
         other = copy.deepcopy(config)
         other.model.quantize = mode
+        try:
+            other.validate()  # e.g. LoKr/LoHa cannot train over nf4
+        except ConfigError:
+            continue
         plan, _ = build_plan(other, world_size, copies)
         total = plan.total if on_gpu else host_plan(other, plan, on_gpu).total
         if total <= available:

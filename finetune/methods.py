@@ -1,5 +1,5 @@
-"""What gets trained: PEFT LoRA adapters on the blocks' projections (over a frozen base that may be
-stored quantized), or every weight."""
+"""What gets trained: PEFT LoRA / LoKr / LoHa adapters on the blocks' projections (over a frozen
+base that may be stored quantized), or every weight."""
 
 from __future__ import annotations
 
@@ -33,27 +33,36 @@ def lora_target_names(transformer: nn.Module, config: LoRAConfig) -> list[str]:
     return names
 
 
+def adapter_config(config: LoRAConfig, target_modules: list[str]):
+    """PEFT's config for ``lora.type``: LoRA, LoKr or LoHa on ``target_modules``, each scaling its
+    delta by ``alpha / rank`` and starting at zero (one factor zero-initialised), so training
+    starts exactly at the base model."""
+    from peft import LoHaConfig, LoKrConfig, LoraConfig
+
+    if config.type == "lokr":
+        return LoKrConfig(r=config.rank, alpha=config.alpha, target_modules=target_modules, decompose_factor=config.factor,
+                          init_weights=True)  # w1 = 0; w2 (or w2_a, w2_b) ~ Kaiming
+    if config.type == "loha":
+        return LoHaConfig(r=config.rank, alpha=config.alpha, target_modules=target_modules, init_weights=True)  # hada_w2_b = 0
+    return LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout, target_modules=target_modules,
+                      use_dora=config.use_dora, init_lora_weights=True)  # A ~ Kaiming, B = 0
+
+
 def add_lora(transformer: nn.Module, config: LoRAConfig, adapter_names: tuple[str, ...] = (ADAPTER_NAME,)) -> list[nn.Parameter]:
-    """Freeze the transformer and attach a PEFT LoRA adapter (one per name, same settings: LoRA
-    distillation trains a second, the fake score); returns the trainable parameters.
+    """Freeze the transformer and attach a PEFT adapter of ``config.type`` (LoRA, LoKr or LoHa; one
+    per name, same settings: LoRA distillation trains a second, the fake score); returns the
+    trainable parameters.
 
     Adapter weights are kept in float32 even when the base is bf16: they are the only thing being
     updated and low-precision updates of small values stall.
     """
-    from peft import LoraConfig
+    from krea2_diffusers.loaders.lora import ADAPTER_PREFIXES
 
     transformer.requires_grad_(False)
-    lora_config = LoraConfig(
-        r=config.rank,
-        lora_alpha=config.alpha,
-        lora_dropout=config.dropout,
-        target_modules=lora_target_names(transformer, config),
-        use_dora=config.use_dora,
-        init_lora_weights=True,  # A ~ Kaiming, B = 0: training starts exactly at the base model
-    )
+    peft_config = adapter_config(config, lora_target_names(transformer, config))
     for name in adapter_names:
-        transformer.add_adapter(lora_config, adapter_name=name)
-    params = [p for n, p in transformer.named_parameters() if "lora_" in n]
+        transformer.add_adapter(peft_config, adapter_name=name)
+    params = [p for n, p in transformer.named_parameters() if any(f".{prefix}" in n for prefix in ADAPTER_PREFIXES)]
     for param in params:
         param.data = param.data.float()
         param.requires_grad_(True)

@@ -32,7 +32,8 @@ from finetune.config import ConfigError, build_config
 from finetune.engine.checkpoint import latest_checkpoint
 from finetune.metrics import read_metrics
 from finetune.trainer import Trainer
-from krea2_diffusers.models.tiny import proportioned_transformer_config, save_random_original_file
+from krea2_diffusers.models.tiny import save_random_original_file
+from lora_checks import comfy_model_config, comfy_patched, fixed_batch_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 BASES = ("none", "fp8", "int8", "nf4")
@@ -43,17 +44,6 @@ QUANTIZED_LAYER = {"fp8": "Fp8Linear", "int8": "Linear8bitLt", "nf4": "Linear4bi
 # Resident bytes of the frozen blocks / their float32 bytes (99.4% of them are linear weights).
 RESIDENT_SHARE = {"none": (0.49, 0.51), "fp8": (0.245, 0.27), "int8": (0.245, 0.27), "nf4": (0.12, 0.135)}
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def model_config(text_hidden_dim: int | None = None) -> dict:
-    """2 blocks of one 128-wide head, ComfyUI's SwiGLU width (int(2 * 128 / 3) * 4 rounded up to 128)
-    and time embedding width (256); the text fusion as wide as the tiny text encoder."""
-    config = proportioned_transformer_config(num_layers=2, heads=1, head_dim=128)
-    config.update(intermediate_size=384, timestep_embed_dim=256)
-    if text_hidden_dim is not None:  # ComfyUI's text fusion has 20 heads: its width is a multiple of 20
-        config.update(text_hidden_dim=text_hidden_dim, text_num_attention_heads=20, text_num_key_value_heads=20,
-                      text_intermediate_size=128)
-    return config
 
 
 def run_config(root: Path, model: Path, quantize: str) -> dict:
@@ -81,7 +71,7 @@ def runs(tmp_path_factory):
     first use."""
     root = tmp_path_factory.mktemp("bases")
     model = root / "krea2_tiny_comfy.safetensors"
-    save_random_original_file(model, model_config(), seed=0)
+    save_random_original_file(model, comfy_model_config(), seed=0)
     paths = []
     for quantize in BASES:
         path = root / f"{quantize}.yaml"
@@ -163,29 +153,6 @@ def test_lora_base_trains_checkpoints_resumes_after_kill_9_validates_and_exports
         assert len([k for k in tensors if not k.endswith(".alpha")]) == len(targets)
 
 
-def _fixed_batch_loss(pipe, trainer: Trainer, lora_file: Path | None) -> float:
-    """Flow-matching loss of a plain bf16 pipeline (optionally with a LoRA file loaded) on fixed
-    noise and times over the training samples: measured outside the trainer."""
-    from finetune.objective import add_noise, flow_matching_loss
-
-    if lora_file is not None:
-        pipe.load_lora_weights(lora_file, adapter_name="trained")
-    generator = torch.Generator().manual_seed(123)
-    losses = []
-    with torch.no_grad():
-        for step in range(2):
-            batch = trainer.forward_batch(step)
-            noise = torch.randn(batch["x0"].shape, generator=generator)
-            t = torch.full((batch["x0"].shape[0],), 0.5)
-            pred = pipe.transformer(hidden_states=add_noise(batch["x0"], noise, t).bfloat16(),
-                                    encoder_hidden_states=batch["embeds"].bfloat16(), timestep=t,
-                                    position_ids=batch["positions"], encoder_attention_mask=batch["mask"], return_dict=False)[0]
-            losses.append(float(flow_matching_loss(pred, batch["x0"], noise, t)))
-    if lora_file is not None:
-        pipe.unload_lora_weights()
-    return sum(losses) / len(losses)
-
-
 @pytest.fixture(scope="module")
 def bf16_pipe(runs):
     from krea2_diffusers import Krea2Pipeline
@@ -198,9 +165,9 @@ def bf16_pipe(runs):
 def test_lora_of_each_base_loads_and_learns_in_a_plain_bf16_pipeline(runs, bf16_pipe, quantize):
     trainer, *_, result = runs(quantize)
     reference = runs("none")[-1].output_dir / "lora_diffusers.safetensors"
-    before = _fixed_batch_loss(bf16_pipe, trainer, None)
-    after = {path.name: _fixed_batch_loss(bf16_pipe, trainer, path) for path in result.exported}
-    bf16 = _fixed_batch_loss(bf16_pipe, trainer, reference)
+    before = fixed_batch_loss(bf16_pipe, trainer, None)
+    after = {path.name: fixed_batch_loss(bf16_pipe, trainer, path) for path in result.exported}
+    bf16 = fixed_batch_loss(bf16_pipe, trainer, reference)
     print(f"{quantize}: loss without LoRA {before:.4f}, with {after}, with the bf16 base's {bf16:.4f}")
     assert max(after.values()) - min(after.values()) < 1e-2 * before  # the three files are the same LoRA
     for loss in after.values():
@@ -216,29 +183,10 @@ def test_lora_of_each_base_loads_in_real_comfyuis_native_lora_loader(runs, comfy
     from krea2_diffusers.loaders.convert import diffusers_module_to_original
 
     *_, result = runs(quantize)
-    models = comfyui.base / "models"
-    base_name = "krea2_tiny_comfy.safetensors"
-    if not (models / "diffusion_models" / base_name).exists():
-        save_random_original_file(models / "diffusion_models" / base_name, model_config(text_hidden_dim=40), seed=1)
-    graph = {"base": {"class_type": "UNETLoader", "inputs": {"unet_name": base_name, "weight_dtype": "default"}}}
-    for path in result.exported:
-        name = f"{quantize}_{path.name}"
-        (models / "loras" / name).write_bytes(path.read_bytes())
-        graph[f"lora-{name}"] = {"class_type": "LoraLoaderModelOnly",
-                                 "inputs": {"model": ["base", 0], "lora_name": name, "strength_model": 1.0}}
-        graph[f"save-{name}"] = {"class_type": "ModelSave",
-                                 "inputs": {"model": [f"lora-{name}", 0], "filename_prefix": f"patched/{quantize}_{path.stem}"}}
-    log_start = len(comfyui.output())
-    comfyui.run(graph)
-    log = comfyui.output()[log_start:]
-    assert "lora key not loaded" not in log, log[-3000:]
-
-    base = load_file(str(models / "diffusion_models" / base_name))
+    base, patched_files = comfy_patched(comfyui, result.exported, quantize)
     lora = load_file(str(result.output_dir / "lora_diffusers.safetensors"))
     modules = sorted(k.removeprefix("transformer.").removesuffix(".lora_A.weight") for k in lora if k.endswith(".lora_A.weight"))
-    for path in result.exported:
-        (saved,) = (comfyui.base / "output" / "patched").glob(f"{quantize}_{path.stem}_*.safetensors")
-        patched = {k.removeprefix("model.diffusion_model."): v for k, v in load_file(str(saved)).items()}
+    for path, patched in patched_files.items():
         changed = {k for k in base if not torch.equal(patched[k], base[k])}
         expected = {diffusers_module_to_original(m) + ".weight" for m in modules}
         assert changed == expected, (path.name, sorted(changed ^ expected)[:5])

@@ -112,8 +112,8 @@ def test_bad_files_fail_naming_the_key(base_state, tmp_path):
     good = FORMATS["diffusers"](layers)
     with pytest.raises(LoraFormatError, match=r"'transformer.transformer_blocks.9.attn.to_q.lora_A.weight' names no linear layer.*closest"):
         load_lora_into_transformer(model, {**good, "transformer.transformer_blocks.9.attn.to_q.lora_A.weight": torch.zeros(4, 64)})
-    with pytest.raises(LoraFormatError, match=r"unrecognised LoRA key 'lycoris_blocks_0.lokr_w1'"):
-        load_lora_into_transformer(model, {"lycoris_blocks_0.lokr_w1": torch.zeros(2, 2)})
+    with pytest.raises(LoraFormatError, match=r"unrecognised LoRA key 'lora_unet_blocks_0_attn_wq.oft_blocks'"):
+        load_lora_into_transformer(model, {"lora_unet_blocks_0_attn_wq.oft_blocks": torch.zeros(2, 2)})
     bad = dict(good)
     bad["transformer.transformer_blocks.0.attn.to_q.lora_A.weight"] = torch.zeros(4, 63)
     with pytest.raises(LoraFormatError, match=r"'transformer_blocks.0.attn.to_q': down \(4, 63\).*do not fit a 64->64"):

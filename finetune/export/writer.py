@@ -17,7 +17,7 @@ import torch
 
 from krea2_diffusers.loaders.convert import diffusers_module_to_original
 from krea2_diffusers.files import atomic_write, write_safetensors_streaming
-from krea2_diffusers.loaders.lora import lora_layers_from_diffusers_state_dict, lora_metadata, save_lora_file
+from krea2_diffusers.loaders.lora import ADAPTER_PREFIXES, lora_layers_from_diffusers_state_dict, lora_metadata, save_lora_file
 
 from ..engine.checkpoint import read_train_state
 
@@ -72,15 +72,25 @@ def _groups(path: Path, names: list[str], shapes: dict, dtype: torch.dtype | Non
 
 
 def export_lora(path: Path, out_dir: Path, state: dict, formats: list[str], trigger_words: list[str]) -> list[Path]:
-    """LoRA files from a LoRA run's checkpoint (its model part holds only the adapters)."""
+    """LoRA files from a LoRA run's checkpoint (its model part holds only the adapters). A LoKr or
+    LoHa run writes LyCORIS tensors (``lokr_w1`` ..., ``hada_w1_a`` ...) under each format's module
+    names, its ``alpha / rank`` folded into the first factor."""
     shapes = model_tensors(path)
     # The model part holds the trainable parameters only (older checkpoints also held frozen buffers,
     # e.g. fp8 row scales); a distillation's fake-score adapter is excluded by the run's export hints.
     excluded = [f".{name}." for name in state.get("export", {}).get("exclude_adapters", [])]
-    names = [n for n in shapes if ".lora_" in n and not any(e in n for e in excluded)]
+    names = [n for n in shapes if any(f".{prefix}" in n for prefix in ADAPTER_PREFIXES)
+             and not any(e in f"{n}." for e in excluded)]
     trainable = read_model_tensors(path, sorted(names), shapes)
     lora = state["lora"]
     layers = lora_layers_from_diffusers_state_dict(trainable, alpha=lora["alpha"], rank=lora["rank"])
+    kind = lora.get("type", "lora")
+    rank = str(lora["rank"])
+    extra = {} if kind == "lora" else {  # ours, and the kohya/LyCORIS names UIs show
+        "krea2.adapter_type": kind, "krea2.rank": rank, "krea2.alpha": rank, "ss_network_dim": rank, "ss_network_alpha": rank,
+        "ss_network_module": "lycoris.kohya",
+        "ss_network_args": json.dumps({"algo": kind, **({"factor": lora["factor"]} if kind == "lokr" else {})}),
+    }
     written = []
     for fmt in formats:
         if fmt not in LORA_FILE_NAMES:
@@ -90,7 +100,7 @@ def export_lora(path: Path, out_dir: Path, state: dict, formats: list[str], trig
             logger.warning("export: DoRA LoRAs are written in the diffusers format only; skipping %s", fmt)
             continue
         meta = lora_metadata(layers, fmt, state["base_model"], trained_alpha=lora["alpha"],
-                             trigger_words=trigger_words, steps=state["step"])
+                             trigger_words=trigger_words, steps=state["step"], extra=extra)
         written.append(save_lora_file(out_dir / LORA_FILE_NAMES[fmt], layers, fmt, meta))
     return written
 

@@ -167,6 +167,8 @@ class PosttrainConfig(TrainConfig):
             setattr(self, self.method, {"dpo": DPOConfig, "grpo": GRPOConfig, "distill": DistillConfig, "draft": DraftConfig}[self.method]())
         super().validate()
         section, name = self.section, self.method
+        if self.training.method == "lora" and self.lora.type != "lora":
+            raise ConfigError(f"lora.type={self.lora.type!r}: krea2 posttrain trains LoRA adapters only (lokr and loha are for krea2 train)")
         if section.resolution <= 0 or section.resolution % 16:
             raise ConfigError(f"{name}.resolution must be a positive multiple of 16, got {section.resolution}")
         if name == "dpo":

@@ -11,6 +11,10 @@ native      ``diffusion_model.blocks.0.attn.wq.lora_A.weight``            = rank
 kohya       ``lora_unet_blocks_0_attn_wq.lora_down.weight`` / ``lora_up`` per-module ``.alpha``
 ==========  =========================================================  ===================
 
+LoKr and LoHa (LyCORIS: ``.lokr_w1``, ``.lokr_w2_a`` ..., ``.hada_w1_a`` ...) are read under any
+of these module spellings (and SimpleTuner's ``lycoris_<diffusers_name>``); their math is in
+:mod:`.lycoris`, and they load as PEFT LoKr / LoHa adapters.
+
 Kohya names are matched against a table built from the transformer's own module names (each
 original name with dots turned to underscores), never by guessing where underscores were dots,
 so ``txtfusion_layerwise_blocks_0_attn_wq`` maps back correctly.
@@ -34,6 +38,7 @@ from torch import nn
 
 from ..files import save_safetensors
 from .convert import UnknownKeyError, diffusers_module_to_original
+from .lycoris import ROLES, TUCKER_ROLES, LycorisLayer, add_lycoris_adapter, kind_of
 
 # Key suffix -> role. Longest first so ".lora_A.default.weight" never reads as ".weight".
 _SUFFIXES = (
@@ -43,7 +48,11 @@ _SUFFIXES = (
     (".lora_magnitude_vector.default.weight", "magnitude"), (".lora_magnitude_vector.weight", "magnitude"),
     (".lora_magnitude_vector", "magnitude"), (".dora_scale", "magnitude"),
     (".alpha", "alpha"),
+    # LoKr / LoHa tensors, bare (files) or under PEFT's adapter name (a training run's state).
+    *((f".{role}{tail}", role) for role in (*ROLES["lokr"], *ROLES["loha"], *TUCKER_ROLES) for tail in (".default", "")),
 )
+# PEFT's name prefixes of the adapters' parameters and sub-modules (LoRA, LoKr, LoHa).
+ADAPTER_PREFIXES = ("lora_", "lokr_", "hada_")
 _PREFIXES = ("transformer.", "base_model.model.", "model.diffusion_model.", "diffusion_model.")
 KOHYA_PREFIX = "lora_unet_"
 DIFFUSERS_PREFIX = "transformer."
@@ -75,6 +84,9 @@ class LoraLayer:
         """The same effect with alpha = rank (scale folded into ``up``)."""
         return LoraLayer(self.down, self.up * self.scale, None, self.magnitude)
 
+    def is_zero(self) -> bool:
+        return not bool(self.up.any())
+
 
 # ------------------------------------------------------------------------------------------
 # Reading
@@ -100,13 +112,18 @@ def read_lora_file(path: str | Path, weight_name: str | None = None) -> tuple[di
     return tensors, metadata
 
 
+def _base_layer(module: nn.Module) -> nn.Module:
+    """The original layer under PEFT's wrappers (one per adapter kind loaded: LoKr over LoRA nests)."""
+    return module.get_base_layer() if hasattr(module, "get_base_layer") else module
+
+
 def _is_linear(module: nn.Module) -> bool:
     """A plain linear layer, or one PEFT already wrapped (it keeps the original as ``base_layer``)."""
-    return isinstance(module, nn.Linear) or isinstance(getattr(module, "base_layer", None), nn.Linear)
+    return isinstance(_base_layer(module), nn.Linear)
 
 
 def _linear_shape(module: nn.Module) -> tuple[int, int]:
-    base = getattr(module, "base_layer", module)
+    base = _base_layer(module)
     return base.out_features, base.in_features
 
 
@@ -114,7 +131,7 @@ def _module_table(transformer: nn.Module) -> dict[str, str]:
     """Every accepted spelling of every linear layer -> its diffusers name."""
     table: dict[str, str] = {}
     for name, module in transformer.named_modules():
-        if not _is_linear(module) or ".lora_" in name or name.endswith(".base_layer"):
+        if not _is_linear(module) or ".lora_" in name or ".base_layer" in name:
             continue
         table[name] = name
         try:
@@ -126,6 +143,7 @@ def _module_table(transformer: nn.Module) -> dict[str, str]:
         # Some tools flatten the diffusers names instead of the original ones.
         table[KOHYA_PREFIX + name.replace(".", "_")] = name
         table["lora_transformer_" + name.replace(".", "_")] = name
+        table["lycoris_" + name.replace(".", "_")] = name  # SimpleTuner's LyCORIS files
     return table
 
 
@@ -134,8 +152,8 @@ def _split_key(key: str) -> tuple[str, str]:
         if key.endswith(suffix):
             return key[: -len(suffix)], role
     raise LoraFormatError(
-        f"unrecognised LoRA key {key!r}: expected lora_A/lora_B, lora_down/lora_up, alpha or dora_scale "
-        "(LoKr/LoHa and fused-QKV files are not supported)"
+        f"unrecognised LoRA key {key!r}: expected lora_A/lora_B, lora_down/lora_up, alpha, dora_scale, "
+        "lokr_w1/lokr_w2 (or their _a/_b factors) or hada_w1_a/_b, hada_w2_a/_b (fused-QKV files are not supported)"
     )
 
 
@@ -152,7 +170,7 @@ def _strip_prefixes(module: str) -> str:
 def detect_format(keys) -> str:
     """``"kohya"``, ``"native"`` (ComfyUI / ai-toolkit) or ``"diffusers"``, from the key spelling."""
     keys = list(keys)
-    if any(k.startswith("lora_unet_") or k.startswith("lora_transformer_") for k in keys):
+    if any(k.startswith(("lora_unet_", "lora_transformer_", "lycoris_")) for k in keys):
         return "kohya"
     if any(k.startswith(("diffusion_model.", "model.diffusion_model.", "base_model.model.")) for k in keys):
         return "native"
@@ -161,9 +179,9 @@ def detect_format(keys) -> str:
 
 def parse_lora_state_dict(
     state_dict: Mapping[str, torch.Tensor], transformer: nn.Module, metadata: Mapping[str, str] | None = None
-) -> dict[str, LoraLayer]:
-    """Any supported format -> ``{diffusers module name: LoraLayer}``, with shapes checked against
-    ``transformer``. Raises :class:`LoraFormatError` naming the offending key."""
+) -> dict[str, LoraLayer | LycorisLayer]:
+    """Any supported format -> ``{diffusers module name: LoraLayer or LycorisLayer}``, with shapes
+    checked against ``transformer``. Raises :class:`LoraFormatError` naming the offending key."""
     table = _module_table(transformer)
     modules = dict(transformer.named_modules())
     parts: dict[str, dict[str, torch.Tensor]] = {}
@@ -180,8 +198,15 @@ def parse_lora_state_dict(
         parts[target][role] = tensor
 
     default_alpha = _metadata_alpha(metadata)
-    layers: dict[str, LoraLayer] = {}
+    layers: dict[str, LoraLayer | LycorisLayer] = {}
     for target, p in parts.items():
+        kind = kind_of(p)
+        if kind is not None or any(role in TUCKER_ROLES for role in p):
+            try:
+                layers[target] = LycorisLayer.from_file(p, *_linear_shape(modules[target]))
+            except ValueError as err:
+                raise LoraFormatError(f"LoRA layer {target!r} ({kind or 'tucker'}): {err}") from None
+            continue
         if "A" not in p or "B" not in p:
             missing = "down/lora_A" if "A" not in p else "up/lora_B"
             raise LoraFormatError(f"LoRA layer {target!r} lacks its {missing} tensor")
@@ -234,14 +259,34 @@ def _unique_adapter_name(transformer: nn.Module, adapter_name: str | None) -> st
     return f"lora_{index}"
 
 
-def apply_lora_layers(transformer: nn.Module, layers: Mapping[str, LoraLayer], adapter_name: str | None = None, strength: float = 1.0) -> str:
-    """Inject ``layers`` as one PEFT adapter and activate it (with all earlier ones) at ``strength``."""
+def apply_lora_layers(transformer: nn.Module, layers: Mapping[str, LoraLayer | LycorisLayer], adapter_name: str | None = None,
+                      strength: float = 1.0) -> str:
+    """Inject ``layers`` (LoRA, or all LoKr, or all LoHa) as one PEFT adapter and activate it (with
+    all earlier ones) at ``strength``."""
+    if not layers:
+        raise LoraFormatError(f"no LoRA layers to apply as adapter {adapter_name!r} (an empty state dict?)")
+    kinds = sorted({getattr(layer, "kind", "lora") for layer in layers.values()})
+    if len(kinds) > 1:
+        raise LoraFormatError(f"the LoRA file mixes {' and '.join(kinds)} layers; one adapter holds one kind")
+    name = _unique_adapter_name(transformer, adapter_name)
+    if kinds == ["lora"]:
+        _add_lora_adapter(transformer, layers, name)
+    else:
+        try:
+            add_lycoris_adapter(transformer, layers, name)
+        except ValueError as err:
+            raise LoraFormatError(str(err)) from None
+    strengths = getattr(transformer, "_krea2_lora_strengths", {})
+    strengths[name] = float(strength)
+    transformer._krea2_lora_strengths = strengths
+    transformer.set_adapters(list(strengths), weights=list(strengths.values()))
+    return name
+
+
+def _add_lora_adapter(transformer: nn.Module, layers: Mapping[str, LoraLayer], name: str) -> None:
     from peft import LoraConfig
     from peft.utils import set_peft_model_state_dict
 
-    if not layers:
-        raise LoraFormatError(f"no LoRA layers to apply as adapter {adapter_name!r} (an empty state dict?)")
-    name = _unique_adapter_name(transformer, adapter_name)
     folded = {m: layer.folded() for m, layer in layers.items()}
     ranks = Counter(layer.rank for layer in folded.values())
     rank = ranks.most_common(1)[0][0]
@@ -263,11 +308,6 @@ def apply_lora_layers(transformer: nn.Module, layers: Mapping[str, LoraLayer], a
     unexpected = getattr(result, "unexpected_keys", None) or []
     if unexpected:
         raise LoraFormatError(f"PEFT did not accept LoRA tensors, e.g. {unexpected[:3]}")
-    strengths = getattr(transformer, "_krea2_lora_strengths", {})
-    strengths[name] = float(strength)
-    transformer._krea2_lora_strengths = strengths
-    transformer.set_adapters(list(strengths), weights=list(strengths.values()))
-    return name
 
 
 def delete_lora(transformer: nn.Module, adapter_name: str) -> None:
@@ -344,21 +384,29 @@ def lora_layers_from_peft(transformer: nn.Module, adapter_name: str = "default")
     return layers
 
 
-def lora_layers_from_diffusers_state_dict(state_dict: Mapping[str, torch.Tensor], alpha: float | None, rank: int) -> dict[str, LoraLayer]:
-    """PEFT-style keys (``transformer_blocks.0.attn.to_q.lora_A.weight``, no adapter name) -> layers, folded."""
+def lora_layers_from_diffusers_state_dict(state_dict: Mapping[str, torch.Tensor], alpha: float | None,
+                                          rank: int) -> dict[str, LoraLayer | LycorisLayer]:
+    """A PEFT adapter's state by parameter name (``transformer_blocks.0.attn.to_q.lora_A.weight`` or
+    ``...lokr_w1.default``) -> layers, folded. PEFT scales LoRA, LoKr and LoHa by ``alpha / rank``."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in state_dict.items():
         module, role = _split_key(key)
         parts.setdefault(_strip_prefixes(module), {})[role] = tensor.detach().float().cpu()
+    scale = 1.0 if alpha is None else alpha / rank
     return {
-        m: LoraLayer(p["A"], p["B"], alpha, p.get("magnitude")).folded() for m, p in parts.items()
+        m: LycorisLayer.from_peft(p, scale) if kind_of(p) else LoraLayer(p["A"], p["B"], alpha, p.get("magnitude")).folded()
+        for m, p in parts.items()
     }
 
 
-def to_diffusers_format(layers: Mapping[str, LoraLayer]) -> dict[str, torch.Tensor]:
-    """``transformer.<diffusers name>.lora_A/lora_B.weight`` (alpha = rank; DoRA not representable)."""
+def to_diffusers_format(layers: Mapping[str, LoraLayer | LycorisLayer]) -> dict[str, torch.Tensor]:
+    """``transformer.<diffusers name>.lora_A/lora_B.weight`` (alpha = rank); LoKr/LoHa:
+    ``transformer.<diffusers name>.lokr_w1`` ... + ``.alpha`` (no diffusers standard; ComfyUI and ours read it)."""
     out = {}
     for module, layer in layers.items():
+        if isinstance(layer, LycorisLayer):
+            out.update(layer.state_dict(DIFFUSERS_PREFIX + module))
+            continue
         layer = layer.folded()
         out[f"{DIFFUSERS_PREFIX}{module}.lora_A.weight"] = layer.down.contiguous()
         out[f"{DIFFUSERS_PREFIX}{module}.lora_B.weight"] = layer.up.contiguous()
@@ -367,12 +415,16 @@ def to_diffusers_format(layers: Mapping[str, LoraLayer]) -> dict[str, torch.Tens
     return out
 
 
-def to_comfyui_format(layers: Mapping[str, LoraLayer]) -> dict[str, torch.Tensor]:
-    """``diffusion_model.<original name>.lora_A/lora_B.weight`` (no alpha, so alpha = rank)."""
+def to_comfyui_format(layers: Mapping[str, LoraLayer | LycorisLayer]) -> dict[str, torch.Tensor]:
+    """``diffusion_model.<original name>.lora_A/lora_B.weight`` (no alpha, so alpha = rank); LoKr/LoHa:
+    ``diffusion_model.<original name>.lokr_w1`` ... + ``.alpha`` (= rank, folded)."""
     out = {}
     for module, layer in layers.items():
-        layer = layer.folded()
         base = COMFYUI_PREFIX + diffusers_module_to_original(module)
+        if isinstance(layer, LycorisLayer):
+            out.update(layer.state_dict(base))
+            continue
+        layer = layer.folded()
         out[f"{base}.lora_A.weight"] = layer.down.contiguous()
         out[f"{base}.lora_B.weight"] = layer.up.contiguous()
         if layer.magnitude is not None:
@@ -380,12 +432,16 @@ def to_comfyui_format(layers: Mapping[str, LoraLayer]) -> dict[str, torch.Tensor
     return out
 
 
-def to_kohya_format(layers: Mapping[str, LoraLayer]) -> dict[str, torch.Tensor]:
-    """``lora_unet_<original_name_with_underscores>.lora_down/lora_up.weight`` plus ``.alpha`` (= rank)."""
+def to_kohya_format(layers: Mapping[str, LoraLayer | LycorisLayer]) -> dict[str, torch.Tensor]:
+    """``lora_unet_<original_name_with_underscores>.lora_down/lora_up.weight`` plus ``.alpha`` (= rank);
+    LoKr/LoHa in LyCORIS's spelling: ``lora_unet_<...>.lokr_w1`` ... + ``.alpha`` (= rank, folded)."""
     out = {}
     for module, layer in layers.items():
-        layer = layer.folded()
         base = KOHYA_PREFIX + diffusers_module_to_original(module).replace(".", "_")
+        if isinstance(layer, LycorisLayer):
+            out.update(layer.state_dict(base))
+            continue
+        layer = layer.folded()
         out[f"{base}.lora_down.weight"] = layer.down.contiguous()
         out[f"{base}.lora_up.weight"] = layer.up.contiguous()
         out[f"{base}.alpha"] = torch.tensor(float(layer.rank))
@@ -400,8 +456,8 @@ FORMATS = {"diffusers": to_diffusers_format, "comfyui": to_comfyui_format, "kohy
 def lora_metadata(layers: Mapping[str, LoraLayer], fmt: str, base_model: str, trained_alpha: float | None = None,
                   trigger_words=(), steps: int | None = None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """String metadata for the safetensors header: ours (``krea2.*``) plus the kohya ``ss_*`` names UIs display."""
-    ranks = sorted({layer.rank for layer in layers.values()})
-    rank = ranks[0] if len(ranks) == 1 else max(ranks)
+    ranks = sorted({layer.rank for layer in layers.values() if layer.rank is not None}) or [0]  # 0: LoKr, all whole
+    rank = max(ranks)
     meta = {
         "format": "pt",
         "krea2.format": fmt,
@@ -429,9 +485,9 @@ def save_lora_file(path: str | Path, layers: Mapping[str, LoraLayer], fmt: str, 
     if fmt not in FORMATS:
         raise ValueError(f"unknown LoRA format {fmt!r}; choose from {sorted(FORMATS)}")
     tensors = FORMATS[fmt](layers)
-    zero = [m for m, l in layers.items() if not bool(l.up.any())]
+    zero = [m for m, l in layers.items() if l.is_zero()]
     if len(zero) == len(layers):
-        raise ValueError("every lora_B / up weight is zero: this LoRA would do nothing (was it trained?)")
+        raise ValueError("every layer's lora_B / up weight (LoKr/LoHa: a factor) is zero: this LoRA would do nothing (was it trained?)")
     path = Path(path)
     save_safetensors(tensors, path, metadata=dict(metadata))
     return path

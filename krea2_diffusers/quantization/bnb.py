@@ -14,13 +14,13 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from ..loaders.lora import ADAPTER_PREFIXES  # PEFT adapter sub-modules (lora_A, lokr_w1 ...)
+
 BNB_MODES = ("nf4", "int8")
 MIN_BNB_VERSION = (0, 45)  # first release whose 4-bit and int8 layers also run on CPU
 # Transformer layers kept in full precision (the community GGUF rules, diffusers names): small,
 # and the most sensitive to quantization error.
 TRANSFORMER_KEEP = ("img_in", "time_embed", "time_mod_proj", "txt_in", "final_layer", "text_fusion.projector")
-# PEFT adapter sub-modules (lora_A, lora_B, lora_magnitude_vector ...).
-ADAPTER_PREFIXES = ("lora_",)
 # Text encoder layers kept: the LM head (prompt expansion) and the small vision tower.
 TEXT_ENCODER_KEEP = ("lm_head", "visual")
 
@@ -53,7 +53,7 @@ def keep_filter(keep: tuple[str, ...]) -> Callable[[str], bool]:
     def skip(name: str) -> bool:
         parts = name.split(".")
         if any(part.startswith(ADAPTER_PREFIXES) for part in parts):
-            return True  # a loaded LoRA's own small matrices stay in full precision
+            return True  # a loaded adapter's own small matrices stay in full precision
         return any(name == k or name.startswith(k + ".") or f".{k}." in f".{name}." for k in keep)
     return skip
 

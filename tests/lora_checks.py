@@ -1,0 +1,77 @@
+"""What the trained-adapter tests share: the tiny transformer ComfyUI's native loader can build,
+the loss of a plain pipeline on fixed noise (measured outside the trainer), and patching a real
+ComfyUI's model with LoRA files through ``LoraLoaderModelOnly``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from krea2_diffusers.models.tiny import proportioned_transformer_config, save_random_original_file
+
+COMFY_BASE_NAME = "krea2_tiny_comfy.safetensors"
+
+
+def comfy_model_config(text_hidden_dim: int | None = None) -> dict:
+    """2 blocks of one 128-wide head (ComfyUI's Krea 2 requires 128-wide heads), ComfyUI's SwiGLU
+    width (int(2 * 128 / 3) * 4 rounded up to 128) and time embedding width (256); the text fusion
+    as wide as the tiny text encoder."""
+    config = proportioned_transformer_config(num_layers=2, heads=1, head_dim=128)
+    config.update(intermediate_size=384, timestep_embed_dim=256)
+    if text_hidden_dim is not None:  # ComfyUI's text fusion has 20 heads: its width is a multiple of 20
+        config.update(text_hidden_dim=text_hidden_dim, text_num_attention_heads=20, text_num_key_value_heads=20,
+                      text_intermediate_size=128)
+    return config
+
+
+def fixed_batch_loss(pipe, trainer, lora_file: Path | None) -> float:
+    """Flow-matching loss of a plain pipeline (optionally with a LoRA file loaded) on fixed noise
+    and times over the trainer's first two forward batches: measured outside the trainer."""
+    from finetune.objective import add_noise, flow_matching_loss
+
+    if lora_file is not None:
+        pipe.load_lora_weights(lora_file, adapter_name="trained")
+    dtype = pipe.transformer.dtype
+    generator = torch.Generator().manual_seed(123)
+    losses = []
+    with torch.no_grad():
+        for step in range(2):
+            batch = trainer.forward_batch(step)
+            noise = torch.randn(batch["x0"].shape, generator=generator)
+            t = torch.full((batch["x0"].shape[0],), 0.5)
+            pred = pipe.transformer(hidden_states=add_noise(batch["x0"], noise, t).to(dtype),
+                                    encoder_hidden_states=batch["embeds"].to(dtype), timestep=t,
+                                    position_ids=batch["positions"], encoder_attention_mask=batch["mask"], return_dict=False)[0]
+            losses.append(float(flow_matching_loss(pred, batch["x0"], noise, t)))
+    if lora_file is not None:
+        pipe.unload_lora_weights()
+    return sum(losses) / len(losses)
+
+
+def comfy_patched(comfyui, files: list[Path], prefix: str) -> tuple[dict, dict[Path, dict]]:
+    """Patch ComfyUI's model (a file with our blocks' shapes; its text fusion 40 wide, a multiple
+    of its 20 text heads) with each of ``files`` in ``LoraLoaderModelOnly`` at strength 1 and save
+    it with ``ModelSave``. Fails if ComfyUI left a key unloaded. Returns (the base's tensors,
+    ``{file: patched tensors}``), both by original-layout key."""
+    models = comfyui.base / "models"
+    if not (models / "diffusion_models" / COMFY_BASE_NAME).exists():
+        save_random_original_file(models / "diffusion_models" / COMFY_BASE_NAME, comfy_model_config(text_hidden_dim=40), seed=1)
+    graph = {"base": {"class_type": "UNETLoader", "inputs": {"unet_name": COMFY_BASE_NAME, "weight_dtype": "default"}}}
+    for path in files:
+        name = f"{prefix}_{path.name}"
+        (models / "loras" / name).write_bytes(path.read_bytes())
+        graph[f"lora-{name}"] = {"class_type": "LoraLoaderModelOnly",
+                                 "inputs": {"model": ["base", 0], "lora_name": name, "strength_model": 1.0}}
+        graph[f"save-{name}"] = {"class_type": "ModelSave",
+                                 "inputs": {"model": [f"lora-{name}", 0], "filename_prefix": f"patched/{prefix}_{path.stem}"}}
+    log_start = len(comfyui.output())
+    comfyui.run(graph)
+    log = comfyui.output()[log_start:]
+    assert "lora key not loaded" not in log and "ERROR lo" not in log, log[-3000:]
+    patched = {}
+    for path in files:
+        (saved,) = (comfyui.base / "output" / "patched").glob(f"{prefix}_{path.stem}_*.safetensors")
+        patched[path] = {k.removeprefix("model.diffusion_model."): v for k, v in load_file(str(saved)).items()}
+    return load_file(str(models / "diffusion_models" / COMFY_BASE_NAME)), patched
