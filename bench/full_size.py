@@ -59,11 +59,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _anon_rss(pid: int) -> int:
+def _memory_field(path: str, field: str) -> int:
+    """``field`` (kB) of /proc/PID/status or smaps_rollup, in bytes; 0 once the process has ended."""
     try:
-        with open(f"/proc/{pid}/status") as handle:
+        with open(path) as handle:
             for line in handle:
-                if line.startswith("RssAnon:"):
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass  # the process ended between listing and reading
@@ -71,7 +72,12 @@ def _anon_rss(pid: int) -> int:
 
 
 class TreePeak:
-    """Samples the anonymous RSS summed over this process and all its descendants (every 0.2 s)."""
+    """Samples the anonymous memory of this process and all its descendants (every 0.2 s).
+
+    One process: its anonymous RSS. Several (the trainer's data-loader workers are forked after
+    the model is loaded and share its pages copy-on-write, so their RSS repeats the parent's): the
+    sum of each one's proportional share (``Pss_Anon``, shared pages divided among the sharers),
+    which counts every page once; reading it walks the page tables, so only then."""
 
     def __init__(self, interval: float = 0.2):
         self.interval, self.peak = interval, 0
@@ -85,7 +91,13 @@ class TreePeak:
 
     def _sample(self) -> None:
         while not self._done.is_set():
-            self.peak = max(self.peak, sum(_anon_rss(pid) for pid in self._tree()))
+            pids = self._tree()
+            rss = {pid: _memory_field(f"/proc/{pid}/status", "RssAnon:") for pid in pids}
+            if sum(1 for size in rss.values() if size > 64 * 2**20) > 1:
+                total = sum(_memory_field(f"/proc/{pid}/smaps_rollup", "Pss_Anon:") for pid in pids)
+            else:
+                total = sum(rss.values())
+            self.peak = max(self.peak, total)
             time.sleep(self.interval)
 
     def __enter__(self):
@@ -213,7 +225,7 @@ def train(args, tmp: Path, device: str) -> dict:
     losses = [float(r["loss"]) for r in rows]
     if len(losses) != args.steps or not all(l == l and abs(l) != float("inf") for l in losses):
         raise SystemExit(f"expected {args.steps} finite losses, got {losses}")
-    exports = sorted(str(p) for p in out.rglob("*.safetensors") if "checkpoints" not in p.parts)
+    exports = sorted(str(p) for p in out.glob("lora_*.safetensors"))  # the run folder's LoRA files (not its caches)
     if not exports:
         raise SystemExit(f"no LoRA export under {out}")
     quantized = int(re.search(r"transformer: (\d+) bytes", text).group(1))
