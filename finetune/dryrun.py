@@ -187,10 +187,12 @@ def plan_text(config: TrainConfig, world_size: int = 1, copies: ModelCopies = Mo
 
 
 def host_plan(config: TrainConfig, plan: MemoryPlan, on_gpu: bool) -> HostPlan:
-    """Host RAM of one process: the libraries, the text encoder and VAE (they stay in host memory
-    after caching), and the transformer's streamed load (one block in the file's precision plus the
-    quantizer's temporaries beside the quantized base). On the CPU the training plan's rows are host
-    memory too; the load's transient and training's own tensors never coexist."""
+    """Host RAM of one process: the libraries, the text encoder and VAE, and the transformer's
+    streamed load (one block in the file's precision plus the quantizer's temporaries beside the
+    quantized base). The encoders cache the features before the transformer loads; they stay in
+    host memory when validation samples need them, else they are gone by then and count only
+    where the caching phase needs more than the training phase. On the CPU the training plan's
+    rows are host memory too; the load's transient and training's own tensors never coexist."""
     from krea2_diffusers.loaders.quantized import planned_transformer_bytes
     from krea2_diffusers.pipelines.host_memory import PROCESS_BASELINE, file_bytes
 
@@ -199,8 +201,9 @@ def host_plan(config: TrainConfig, plan: MemoryPlan, on_gpu: bool) -> HostPlan:
     host = HostPlan()
     host.add("process (python, torch, libraries)", PROCESS_BASELINE)
     widen = max(1, DTYPES[config.model.dtype].itemsize // 2)  # bf16 files loaded as float32 double
-    host.add("text encoder and VAE (kept on the host after caching)",
-             (file_bytes(config.model.text_encoder) + file_bytes(config.model.vae)) * widen)
+    encoders = (file_bytes(config.model.text_encoder) + file_bytes(config.model.vae)) * widen
+    if config.validation.prompts:
+        host.add("text encoder and VAE (kept on the host for validation samples)", encoders)
     lora = config.training.method == "lora"
     quantization = config.model.quantize if lora and config.model.quantize != "none" else None
     transformer_config, source = transformer_weights(config.model)
@@ -215,6 +218,9 @@ def host_plan(config: TrainConfig, plan: MemoryPlan, on_gpu: bool) -> HostPlan:
         host.add("training tensors, or the load's one block + quantizer temporaries (the larger)", max(training, loading))
     else:
         host.add("the load's one block + quantizer temporaries", loading)
+    if not config.validation.prompts:
+        host.add("text encoder and VAE (freed after caching, before the transformer loads), beyond the above",
+                 max(0, encoders - (host.total - PROCESS_BASELINE)))
     return host
 
 

@@ -4,6 +4,7 @@ device for a full fine-tune, and the Turbo transformer for validation."""
 
 from __future__ import annotations
 
+import gc
 from typing import Callable
 
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 from krea2_diffusers import Krea2Pipeline, Krea2Transformer2DModel
 from krea2_diffusers.loaders.assembly import LOAD
 from krea2_diffusers.loaders.assembly import load_pipeline as assemble_pipeline
+from krea2_diffusers.loaders.assembly import load_transformer as assemble_transformer
 from krea2_diffusers.models.tiny import is_tiny
 
 from .config import ModelConfig, TrainConfig
@@ -35,12 +37,25 @@ def load_pipeline(config: ModelConfig, device: torch.device, transformer=LOAD) -
     return pipe
 
 
-def release_encoders(pipe: Krea2Pipeline, device: torch.device) -> None:
-    """After caching, the text encoder and VAE leave the accelerator (validation brings them back)."""
-    if device.type == "cuda":
+def release_encoders(pipe: Krea2Pipeline, device: torch.device, keep: bool) -> None:
+    """After caching: with ``keep`` (validation samples need them) the text encoder and VAE leave
+    the accelerator for the host; without, they are dropped, before the transformer loads."""
+    if keep:
         pipe.text_encoder.to("cpu")
         pipe.vae.to("cpu")
+    else:
+        pipe.register_modules(text_encoder=None, vae=None)
+        gc.collect()  # the encoders' tensors are freed now, not at some later collection
+    if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def load_transformer(config: ModelConfig) -> Krea2Transformer2DModel:
+    """The transformer to put a LoRA on, through the library's loader: with ``model.quantize`` read
+    block by block and each block quantized as it arrives; GGUF files stay packed."""
+    gguf = str(config.pretrained_model_name_or_path).endswith(".gguf")
+    return assemble_transformer(config.pretrained_model_name_or_path, torch_dtype=DTYPES[config.dtype],
+                                quantization=None if config.quantize == "none" or gguf else config.quantize)
 
 
 def transformer_weights(config: ModelConfig):

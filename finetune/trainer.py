@@ -10,6 +10,7 @@ import math
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -102,17 +103,25 @@ class Trainer:
         runtime.barrier()
         self.record_run()
 
-        from .model import build_sharded_transformer, load_pipeline, release_encoders
+        from krea2_diffusers.loaders.assembly import check_text_width
 
-        # A full fine-tune builds its transformer sharded below; the pipeline only brings the encoders.
-        self.pipe = load_pipeline(config.model, runtime.device, **({} if self.lora else {"transformer": None}))
+        from .model import build_sharded_transformer, load_pipeline, load_transformer, release_encoders
+
+        # The pipeline brings the encoders only: the features are cached, the encoders leave (or go
+        # altogether when no validation samples need them) and only then does the transformer load,
+        # so a 12.8B base and an 8 GB text encoder never share host memory.
+        self.pipe = load_pipeline(config.model, runtime.device, transformer=None)
         self.cache = build_cache(
             self.pipe, self.samples, self.buckets, config.data.cache_dir or self.out / "cache",
             config.model.max_sequence_length, runtime.device, runtime.rank, runtime.world_size, runtime.barrier,
         )
-        release_encoders(self.pipe, runtime.device)
+        text_encoder = SimpleNamespace(config=self.pipe.text_encoder.config)  # its width, checked once the transformer is there
+        release_encoders(self.pipe, runtime.device, keep=bool(config.validation.prompts))
         if self.lora:
-            self.model = self._lora_model(self.pipe.transformer)
+            transformer = load_transformer(config.model)
+            check_text_width(transformer, text_encoder, config.model.text_encoder or config.model.pretrained_model_name_or_path)
+            self.pipe.register_modules(transformer=transformer)
+            self.model = self._lora_model(transformer)
         else:
             self.model = build_sharded_transformer(config, runtime)
             self.pipe.register_modules(transformer=self.model)

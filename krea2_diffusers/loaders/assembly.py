@@ -140,6 +140,29 @@ def assemble_from_single_file(cls, path, *, text_encoder, vae, tokenizer=None, t
                is_distilled=bool(is_distilled), distilled_steps=steps if is_distilled else None, **parts)
 
 
+def load_transformer(model: str, *, torch_dtype=None, quantization=None, upcast_fp8=False) -> Krea2Transformer2DModel:
+    """The transformer alone, as :func:`load_pipeline` would load it from ``model`` (``tiny-random``,
+    a transformer file, GGUF or index, or a diffusers folder), ``quantization`` streamed the same
+    way. For a trainer that caches the text and image features first and loads the transformer
+    only after the encoders are gone, so the two never share host memory."""
+    from .quantized import check_quantization, load_quantized_transformer, quantize_storage_
+
+    check_quantization(quantization)
+    path = Path(model)
+    if is_tiny(model):
+        transformer = _tiny_part("transformer", torch_dtype)
+        if quantization is not None:
+            quantize_storage_(transformer, quantization, torch_dtype or torch.bfloat16)
+        return transformer
+    if path.is_file() or path.name.endswith(".index.json"):
+        return Krea2Transformer2DModel.from_single_file(path, torch_dtype=torch_dtype, upcast_fp8=upcast_fp8,
+                                                        quantization=quantization)
+    if quantization is not None:
+        return load_quantized_transformer(Krea2Transformer2DModel, path, quantization, torch_dtype=torch_dtype)
+    kwargs = {"torch_dtype": torch_dtype} if torch_dtype is not None else {}
+    return Krea2Transformer2DModel.from_pretrained(model, subfolder="transformer", **kwargs)
+
+
 def load_pipeline(cls, model: str, *, text_encoder=None, vae=None, torch_dtype=None, is_distilled=None, device=None,
                   text_encoder_config=None, upcast_fp8=False, transformer=LOAD, quantization=None):
     """Resolve what a user names — ``tiny-random``, a diffusers folder or hub id, or a transformer
