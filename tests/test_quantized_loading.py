@@ -122,3 +122,18 @@ def test_memory_preset_storage_is_chosen_from_the_file_before_loading(checkpoint
     small = memory.plan_memory(1000, 0, 0, 400, bnb_available=True)
     assert small.transformer_storage == "nf4"  # the same planner, given sizes that NF4 fits
     assert memory.storage_for_file(checkpoint.with_suffix(".gguf"), "8gb", "cpu") is None
+
+
+def test_gguf_plan_counts_what_the_loader_keeps(checkpoint, tmp_path):
+    """The host plan's GGUF row: packed weights as stored plus every other tensor in the compute
+    dtype (norm scales float32), equal to the loaded transformer's bytes, for two dtypes."""
+    from krea2_diffusers.pipelines import host_memory
+    from krea2_diffusers.quantization.gguf.loader import planned_gguf_bytes
+
+    gguf = tmp_path / "small-Q4_K.gguf"
+    assert main(["quantize", str(checkpoint), str(gguf), "--type", "Q4_K"]) == 0
+    for dtype in (torch.float32, torch.bfloat16):
+        loaded = Krea2Transformer2DModel.from_single_file(gguf, torch_dtype=dtype)
+        assert planned_gguf_bytes(Krea2Transformer2DModel, gguf, dtype) == resident_bytes(loaded), dtype
+    rows = dict(host_memory.plan_host_memory(gguf, None, torch.float32, tokens=64).rows)
+    assert rows["largest transient (loading: one block + quantizer temporaries; or compute)"] > 0

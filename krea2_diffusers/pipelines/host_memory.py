@@ -65,7 +65,7 @@ def plan_host_memory(model, quantization: str | None, torch_dtype: torch.dtype, 
             transformer loads (``pipelines.memory.release_text_encoder``): the two never coexist.
     """
     from ..loaders.quantized import planned_transformer_bytes
-    from ..loaders.single_file import locate_transformer_tensors
+    from ..loaders.single_file import infer_config_from_shapes, locate_transformer_tensors
     from ..models.transformer import Krea2Transformer2DModel
 
     plan = HostPlan()
@@ -77,16 +77,26 @@ def plan_host_memory(model, quantization: str | None, torch_dtype: torch.dtype, 
     plan.add("VAE", file_bytes(vae) * widen)
     path = Path(str(model))
     if path.suffix == ".gguf":
-        plan.add("transformer (GGUF, packed as stored)", path.stat().st_size)
-        return plan
-    config, _ = locate_transformer_tensors(path)
-    resident, loading = planned_transformer_bytes(Krea2Transformer2DModel, config, quantization, torch_dtype)
-    plan.add(f"transformer ({quantization or str(torch_dtype).removeprefix('torch.')})", resident)
-    with torch.device("meta"):
-        model = Krea2Transformer2DModel(**config)
-    largest = max(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    width = max(config.get("intermediate_size", 16384), 6 * model.img_in.out_features)
-    compute = largest * 4 * DEQUANT_COPIES + tokens * width * 4 * 4
+        from ..quantization.gguf.loader import planned_gguf_bytes
+        from ..quantization.gguf.reader import read_gguf
+
+        tensors, layout, _ = read_gguf(path)
+        # the compute transient needs the config: mapped from original names (as the loader does)
+        config = infer_config_from_shapes({name: t.shape for name, t in tensors.items()}) if layout == "original" else None
+        # packed weights as stored, the other tensors decoded to torch_dtype; its load peaks ~1.07x
+        resident, loading = planned_gguf_bytes(Krea2Transformer2DModel, path, torch_dtype), 0
+        plan.add("transformer (GGUF, packed as stored; other tensors in the compute dtype)", resident)
+    else:
+        config, _ = locate_transformer_tensors(path)
+        resident, loading = planned_transformer_bytes(Krea2Transformer2DModel, config, quantization, torch_dtype)
+        plan.add(f"transformer ({quantization or str(torch_dtype).removeprefix('torch.')})", resident)
+    compute = 0
+    if config is not None:
+        with torch.device("meta"):
+            model = Krea2Transformer2DModel(**config)
+        largest = max(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        width = max(config.get("intermediate_size", 16384), 6 * model.img_in.out_features)
+        compute = largest * 4 * DEQUANT_COPIES + tokens * width * 4 * 4
     plan.add("largest transient (loading: one block + quantizer temporaries; or compute)", max(loading, compute))
     if release_text_encoder:  # only what the encoding phase needs beyond the transformer phase
         plan.add("text encoder (released before the transformer loads), beyond the above",

@@ -121,3 +121,23 @@ def load_gguf_transformer(cls, path, *, config: dict | None = None, torch_dtype:
     if missing:
         raise GGUFFormatError(f"{path}: missing tensors for this config: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     return model.eval()
+
+
+def planned_gguf_bytes(cls, path, torch_dtype: torch.dtype | None = None) -> int:
+    """Resident bytes of ``load_gguf_transformer(cls, path, torch_dtype=...)``, from the tensor
+    records alone (no payload read): packed linear weights at their stored size, every other
+    tensor decoded to ``torch_dtype`` (norm scales float32), as the loader keeps them."""
+    path = os.fspath(path)
+    dtype = torch_dtype or DEFAULT_DTYPE
+    tensors, layout, _ = read_gguf(path)
+    keep_fp32 = set(getattr(cls, "_keep_in_fp32_modules", None) or ())
+    total = 0
+    for name, t in tensors.items():
+        if t.qtype in PACKED_TYPES and len(t.shape) == 2 and t.shape[1] % block_geometry(t.qtype)[0] == 0:
+            total += t.nbytes  # stays packed (Krea 2 packs only linear weights)
+            continue
+        numel = 1
+        for size in t.shape:
+            numel *= size
+        total += numel * (4 if _keeps_fp32(_diffusers_name(path, name, layout), keep_fp32) else dtype.itemsize)
+    return total
