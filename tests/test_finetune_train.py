@@ -21,7 +21,7 @@ from finetune.data import DatasetError, scan_dataset
 from finetune.metrics import read_metrics
 from finetune.trainer import NonFiniteLossError, RunDirectoryError, Trainer, train
 from krea2_diffusers import Krea2Pipeline
-from krea2_diffusers.loaders.lora import read_lora_file
+from krea2_diffusers.loaders.lora import delete_lora, read_lora_file
 
 _CHANNEL_MAP = torch.randn(16, 3, generator=torch.Generator().manual_seed(0))
 
@@ -156,8 +156,7 @@ def test_three_exported_files_load_back_with_identical_effect(trained):
         assert any(k.startswith(prefix) for k in tensors)
         name = pipe.load_lora_weights(path, adapter_name=fmt)
         torch.testing.assert_close(_generate(pipe, ["red", "green grass, 1998"]), reference, rtol=1e-4, atol=1e-5)
-        pipe.transformer.delete_adapters(name)
-        pipe.transformer._krea2_lora_strengths.pop(name)
+        delete_lora(pipe.transformer, name)
 
 
 def test_diffusers_file_loads_into_diffusers_transformer(trained):

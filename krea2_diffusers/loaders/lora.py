@@ -316,6 +316,14 @@ def delete_lora(transformer: nn.Module, adapter_name: str) -> None:
     getattr(transformer, "_krea2_lora_strengths", {}).pop(adapter_name, None)
 
 
+def unload_loras(transformer: nn.Module) -> None:
+    """Remove every adapter this loader put on ``transformer`` (the base weights were never modified)."""
+    names = list(getattr(transformer, "_krea2_lora_strengths", {}))
+    if names:
+        transformer.delete_adapters(names)
+    transformer._krea2_lora_strengths = {}
+
+
 def set_lora_strength(transformer: nn.Module, adapter_name: str, strength: float) -> None:
     strengths = getattr(transformer, "_krea2_lora_strengths", {})
     if adapter_name not in strengths:

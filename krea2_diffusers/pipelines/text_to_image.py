@@ -530,7 +530,6 @@ class Krea2Pipeline(DiffusionPipeline):
 
     def unload_lora_weights(self) -> None:
         """Remove every loaded LoRA; the base weights were never modified."""
-        names = list(getattr(self.transformer, "_krea2_lora_strengths", {}))
-        if names:
-            self.transformer.delete_adapters(names)
-            self.transformer._krea2_lora_strengths = {}
+        from ..loaders.lora import unload_loras
+
+        unload_loras(self.transformer)
