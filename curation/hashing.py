@@ -36,8 +36,18 @@ def perceptual_hash(image: Image.Image, hash_size: int = 12) -> bytes:
     grey = np.asarray(image.convert("L").resize((side, side), Image.Resampling.BILINEAR), dtype=np.float64)
     dct = _dct_matrix(side)
     low = (dct @ grey @ dct.T)[:hash_size, :hash_size].ravel()
-    bits = low > np.median(low[1:])
+    bits = low > _median(low[1:])
     return np.packbits(bits).tobytes()
+
+
+def _median(values: np.ndarray) -> float:
+    """np.median of a 1-D array (the middle value, or the mean of the two middle ones) without
+    its per-call overhead, which was a tenth of the filter job's hashing time."""
+    middle = len(values) // 2
+    if len(values) % 2:
+        return np.partition(values, middle)[middle]
+    pair = np.partition(values, (middle - 1, middle))[middle - 1:middle + 1]
+    return (pair[0] + pair[1]) / 2
 
 
 def colour_hash(image: Image.Image, grid: int = 4) -> bytes:
