@@ -63,18 +63,18 @@ def rgb_entropy(histogram: np.ndarray) -> float:
     return float(-(p * np.log2(p)).sum())
 
 
-def black_white_fraction(histogram: np.ndarray) -> float:
-    """Share of pixels whose channels are all near black (< BLACK_LEVEL) or all near white
+def black_white_fraction(histogram: np.ndarray, pixels: int) -> float:
+    """Share of the ``pixels`` whose channels are all near black (< BLACK_LEVEL) or all near white
     (> WHITE_LEVEL), read off the 5-bit histogram: both levels fall on its bin edges."""
     low, high = BLACK_LEVEL >> DOMINANT_SHIFT, (WHITE_LEVEL + 1) >> DOMINANT_SHIFT
     dark = histogram[:low, :low, :low].sum()
     light = histogram[high:, high:, high:].sum()
-    return float((dark + light) / histogram.sum())
+    return float((dark + light) / pixels)
 
 
-def dominant_fraction(histogram: np.ndarray) -> float:
-    """Share of pixels with the most common colour (5 bits per channel)."""
-    return float(histogram.max() / histogram.sum())
+def dominant_fraction(histogram: np.ndarray, pixels: int) -> float:
+    """Share of the ``pixels`` with the most common colour (5 bits per channel)."""
+    return float(histogram.max() / pixels)
 
 
 def _median_colour(lines: np.ndarray) -> np.ndarray:
@@ -136,9 +136,10 @@ def thumbnail(image: Image.Image, side: int) -> Image.Image:
 def scores(rgb: np.ndarray, config: FilterConfig) -> dict[str, float]:
     grey = rgb.astype(np.float32) @ np.array([0.299, 0.587, 0.114], np.float32)
     histogram = colour_histogram(rgb)
+    pixels = rgb.shape[0] * rgb.shape[1]  # the histogram's sum
     return {
-        "black_white": round(black_white_fraction(histogram), 4),
-        "dominant": round(dominant_fraction(histogram), 4),
+        "black_white": round(black_white_fraction(histogram, pixels), 4),
+        "dominant": round(dominant_fraction(histogram, pixels), 4),
         "entropy": round(rgb_entropy(histogram), 4),
         "border": round(border_fraction(rgb, config.uniform_tolerance), 4),
         "neighbour_correlation": round(neighbour_correlation(grey), 4),

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -40,14 +39,13 @@ def local_path(uri: str) -> Path:
 
 def _open(data: bytes) -> Image.Image:
     # Our own size limit (ProbeConfig) replaces PIL's decompression-bomb check, so a huge header
-    # becomes a recorded drop instead of an exception or a warning.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
-        try:
-            return Image.open(io.BytesIO(data))
-        finally:
-            Image.MAX_IMAGE_PIXELS = limit
+    # becomes a recorded drop instead of an exception or a warning (with no limit PIL neither
+    # raises nor warns).
+    limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+    try:
+        return Image.open(io.BytesIO(data))
+    finally:
+        Image.MAX_IMAGE_PIXELS = limit
 
 
 class DecodedImages:
