@@ -80,7 +80,7 @@ def dominant_fraction(histogram: np.ndarray, pixels: int) -> float:
 def _median_colour(lines: np.ndarray) -> np.ndarray:
     """(..., 3) int16: the per-channel median of (..., L, 3) uint8 lines, rounded down (np.median's
     value truncated, without its per-call overhead)."""
-    ordered = np.sort(lines, axis=-2).astype(np.int16)
+    ordered = np.sort(lines, axis=-2, kind="stable").astype(np.int16)  # a radix sort for uint8: ~3x faster
     middle = lines.shape[-2] // 2
     if lines.shape[-2] % 2:
         return ordered[..., middle, :]
