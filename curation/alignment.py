@@ -87,7 +87,9 @@ def grey_thumbnail(image) -> bytes:
     """A PIL image's ``SIDE x SIDE`` grey thumbnail (box-filtered, aspect ignored) as bytes."""
     from PIL import Image
 
-    return image.convert("L").resize((SIDE, SIDE), Image.Resampling.BOX).tobytes()
+    from .hashing import as_mode
+
+    return as_mode(image, "L").resize((SIDE, SIDE), Image.Resampling.BOX).tobytes()
 
 
 def _best_maps(profile_a: np.ndarray, profile_b: np.ndarray) -> np.ndarray:

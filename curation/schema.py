@@ -65,12 +65,15 @@ CREATE TABLE cluster_models (
 );
 """
 
-def _status_queue_index(job: str) -> str:
+def _status_queue_index(job: str, upstream_done: bool = False) -> str:
     # A queue index only on the rows the job serves (pending for screening, kept after it): a row
     # update inserts into every index whose predicate holds, so a pending row feeds 3 of them, not 6.
+    # ``upstream_done`` (version 3): only rows whose upstream job is done, so a claim that finds
+    # nothing reads the few rows in flight, not every row still waiting upstream.
     status = "pending" if job in SCREENING else "kept"
+    ready = f" AND {UPSTREAM[job]}_done_at IS NOT NULL" if upstream_done and UPSTREAM[job] else ""
     return (f"DROP INDEX images_{job}_queue; CREATE INDEX images_{job}_queue ON images ({job}_last_tried_at NULLS FIRST, id) "
-            f"WHERE {job}_done_at IS NULL AND status = '{status}';")
+            f"WHERE {job}_done_at IS NULL AND status = '{status}'{ready};")
 
 
 _V2 = f"""
@@ -82,7 +85,12 @@ ALTER TABLE images ADD COLUMN thumbnail bytea,
 the number of workers that died holding the row (each one also counted an attempt), and queue
 indexes restricted to the status each job serves."""
 
-MIGRATIONS = (_V1, _V2)
+_V3 = " ".join(_status_queue_index(job, upstream_done=True) for job in JOBS if UPSTREAM[job])
+"""Version 3: a job's queue index holds only rows its upstream job finished. Before, the filter
+queue listed every unprobed row first (never tried for filter), so each claim that found nothing
+(the usual case: probe hands its rows to filter directly) read the whole table, three times."""
+
+MIGRATIONS = (_V1, _V2, _V3)
 """MIGRATIONS[i] takes a database from schema version i to i + 1."""
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -40,34 +39,34 @@ def local_path(uri: str) -> Path:
 
 def _open(data: bytes) -> Image.Image:
     # Our own size limit (ProbeConfig) replaces PIL's decompression-bomb check, so a huge header
-    # becomes a recorded drop instead of an exception or a warning.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
-        try:
-            return Image.open(io.BytesIO(data))
-        finally:
-            Image.MAX_IMAGE_PIXELS = limit
+    # becomes a recorded drop instead of an exception or a warning (with no limit PIL neither
+    # raises nor warns).
+    limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+    try:
+        return Image.open(io.BytesIO(data))
+    finally:
+        Image.MAX_IMAGE_PIXELS = limit
 
 
 class DecodedImages:
-    """Analysis thumbnails (H, W, 3) uint8 that probe decoded, by row id, for the filter job of
-    the same worker; emptied as filter takes them (one batch's worth at a time)."""
+    """Analysis thumbnails (RGB images, :func:`~curation.filters.thumbnail`) that probe decoded, by
+    row id, for the filter job of the same worker; emptied as filter takes them (one batch's worth
+    at a time)."""
 
     def __init__(self):
-        self.thumbnails: dict[int, np.ndarray] = {}
+        self.thumbnails: dict[int, Image.Image] = {}
 
-    def keep(self, row_id: int, rgb: np.ndarray) -> None:
-        self.thumbnails[row_id] = rgb
+    def keep(self, row_id: int, image: Image.Image) -> None:
+        self.thumbnails[row_id] = image
 
-    def take(self, row_id: int) -> np.ndarray | None:
+    def take(self, row_id: int) -> Image.Image | None:
         return self.thumbnails.pop(row_id, None)
 
     def clear(self) -> None:
         self.thumbnails.clear()
 
 
-def probe_row(row: dict, config: CurationConfig) -> tuple[Outcome, np.ndarray | None]:
+def probe_row(row: dict, config: CurationConfig) -> tuple[Outcome, Image.Image | None]:
     """The probe outcome and, when the image decoded, its analysis thumbnail."""
     try:
         data = local_path(row["uri"]).read_bytes()
@@ -86,33 +85,33 @@ def probe_row(row: dict, config: CurationConfig) -> tuple[Outcome, np.ndarray | 
         return Outcome(row["id"], values, drop="too_large", score=float(max(image.size)),
                        detail=f"header declares {image.width}x{image.height}; not decoded"), None
     try:
-        rgb = thumbnail(image, config.filter.analysis_side)  # the one decode: every byte is read
+        small = thumbnail(image, config.filter.analysis_side)  # the one decode: every byte is read
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
         return Outcome(row["id"], values, drop="broken", detail=f"{type(err).__name__}: {err}"), None
-    return Outcome(row["id"], values), rgb
+    return Outcome(row["id"], values), small
 
 
-def filter_outcome(row: dict, rgb: np.ndarray, config: CurationConfig) -> Outcome:
-    """Scores of an analysis thumbnail; for images that pass, the hashes and the alignment thumbnail."""
-    values = scores(rgb, config.filter)
+def filter_outcome(row: dict, small: Image.Image, config: CurationConfig) -> Outcome:
+    """Scores of an analysis thumbnail (RGB); for images that pass, the hashes and the alignment thumbnail."""
+    values = scores(np.asarray(small), config.filter)
     failed = verdict(values, config.filter)
     if failed is not None:
         return Outcome(row["id"], {"filter_scores": values}, drop=failed[0], score=failed[1])
-    small = Image.fromarray(rgb)
-    return Outcome(row["id"], {"filter_scores": values, "phash": perceptual_hash(small, config.dedup.hash_size),
+    grey = small.convert("L")  # both grey fingerprints start from it: one conversion
+    return Outcome(row["id"], {"filter_scores": values, "phash": perceptual_hash(grey, config.dedup.hash_size),
                                "colour_hash": colour_hash(small, config.dedup.colour_grid),
-                               "thumbnail": grey_thumbnail(small)})
+                               "thumbnail": grey_thumbnail(grey)})
 
 
 def filter_row(row: dict, config: CurationConfig, decoded: DecodedImages | None = None) -> Outcome:
     size = size_verdict(row["width"], row["height"], config.filter)
     if size is not None:
         return Outcome(row["id"], drop=size[0], score=size[1])
-    rgb = decoded.take(row["id"]) if decoded is not None else None
-    if rgb is None:  # not probed by this worker: read and decode here
+    small = decoded.take(row["id"]) if decoded is not None else None
+    if small is None:  # not probed by this worker: read and decode here
         try:
             with _open(local_path(row["uri"]).read_bytes()) as image:
-                rgb = thumbnail(image, config.filter.analysis_side)
+                small = thumbnail(image, config.filter.analysis_side)
         except OSError as err:
             return Outcome(row["id"], error=f"{type(err).__name__}: {err}")
-    return filter_outcome(row, rgb, config)
+    return filter_outcome(row, small, config)

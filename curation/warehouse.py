@@ -65,13 +65,18 @@ def _live_claim(job: str) -> str:
             f"AND a.backend_start <= {job}_last_tried_at)")
 
 
+def _ready(job: str) -> str:
+    """SQL: `` AND <upstream>_done_at IS NOT NULL`` (nothing for probe): the row is in ``job``'s
+    queue index (schema.py), which a claim's scans then read instead of the table."""
+    upstream = UPSTREAM[job]
+    return f" AND {upstream}_done_at IS NOT NULL" if upstream else ""
+
+
 def _claimable(job: str) -> str:
     """SQL predicate of a row ``job`` may claim now (parameters ``backoff``: seconds, ``max``:
     max_attempts). A dead worker's claim counted an attempt: the row waits out the back-off like a
     row whose job raised, and once its attempts are used up it is reaped (:func:`_dead_exhausted`)."""
-    upstream = UPSTREAM[job]
-    ready = f" AND {upstream}_done_at IS NOT NULL" if upstream else ""
-    return (f"status = '{_status_of(job)}' AND status IN ('pending', 'kept') AND {job}_done_at IS NULL{ready}"
+    return (f"status = '{_status_of(job)}' AND status IN ('pending', 'kept') AND {job}_done_at IS NULL{_ready(job)}"
             f" AND ({job}_claimed_by IS NULL OR ({job}_attempts < %(max)s AND NOT {_live_claim(job)}))"
             f" AND ({job}_attempts = 0 OR {job}_last_tried_at"
             f" + make_interval(secs => %(backoff)s * power(2, {job}_attempts - 1)) <= now())")
@@ -79,7 +84,8 @@ def _claimable(job: str) -> str:
 
 def _dead_exhausted(job: str) -> str:
     """SQL predicate: the worker holding the row died and the row has no attempt left (parameter ``max``)."""
-    return (f"({job}_claimed_by IS NOT NULL AND {job}_done_at IS NULL AND status = '{_status_of(job)}' "
+    # A claimed row's upstream job is done (_ready holds): said here too so the scan uses the queue index.
+    return (f"({job}_claimed_by IS NOT NULL AND {job}_done_at IS NULL AND status = '{_status_of(job)}'{_ready(job)} "
             f"AND {job}_attempts >= %(max)s AND NOT {_live_claim(job)})")
 
 
@@ -328,6 +334,11 @@ def open_warehouse(db: str | None = None, dsn: str | None = None, store: str | N
         else:
             with conn.transaction():
                 check_version(conn, where)
+        # Every statement from here on is prepared at its first run, not its sixth (psycopg's
+        # default): planning a claim's CTEs costs more server time than running it on an empty
+        # queue, and a worker repeats a dozen statements. (The migrations above are multi-statement
+        # scripts, which cannot be prepared.)
+        conn.prepare_threshold = 0
         yield warehouse
     finally:
         warehouse.close()

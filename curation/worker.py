@@ -51,10 +51,10 @@ class ProbeJob(ScreeningJob):
         for row in rows:
             if crash_on and row["uri"].endswith(crash_on):
                 os.kill(os.getpid(), signal.SIGKILL)
-            outcome, rgb = probe_row(row, self.config)
+            outcome, small = probe_row(row, self.config)
             outcomes.append(outcome)
-            if rgb is not None and hand_off == "filter":
-                self.decoded.keep(row["id"], rgb)
+            if small is not None and hand_off == "filter":
+                self.decoded.keep(row["id"], small)
         handed = warehouse.write("probe", outcomes, hand_off=hand_off)
         if hand_off != "filter":
             self.decoded.clear()

@@ -211,6 +211,41 @@ def test_bad_connections_schema_and_backoff(server, tmp_path, capsys):
                          "probe_attempts": 2}
 
 
+def test_schema_3_claims_that_find_nothing_read_no_rows(server, capsys):
+    """A version-2 warehouse migrates to 3, whose filter and dedup queue indexes hold only rows
+    their upstream job finished: with every row still waiting for probe, the claims that find
+    nothing (what a worker runs after each batch it handed from probe to filter to dedup) read no
+    row, where version 2 read every row three times per claim."""
+    from curation.schema import MIGRATIONS, schema_version
+    from curation.warehouse import open_warehouse
+
+    dsn = database(server, "queue_index")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE curation_schema (version integer NOT NULL)")
+        for script in MIGRATIONS[:2]:
+            conn.execute(script)
+        conn.execute("INSERT INTO curation_schema (version) VALUES (2)")
+    assert _cli(capsys, "init", "--dsn", dsn)[0] == 0
+    with open_warehouse(dsn=dsn) as warehouse:
+        assert schema_version(warehouse.conn) == len(MIGRATIONS) == 3
+        warehouse.ingest((f"/nowhere/{i}.jpg", None) for i in range(300))
+
+        def entries_read() -> dict[str, int]:
+            """Index entries each queue index handed to scans so far (statistics flushed first)."""
+            warehouse.conn.execute("SELECT pg_stat_force_next_flush()")
+            with psycopg.connect(dsn, autocommit=True) as other:
+                return dict(other.execute("SELECT indexrelname, idx_tup_read FROM pg_stat_user_indexes "
+                                          "WHERE indexrelname LIKE 'images_%_queue'").fetchall())
+
+        before = entries_read()
+        assert warehouse.claim("filter", 64) == [] and warehouse.claim("dedup", 64) == []
+        after = entries_read()
+        assert after["images_filter_queue"] == before["images_filter_queue"]
+        assert after["images_dedup_queue"] == before["images_dedup_queue"]
+        assert len(warehouse.claim("probe", 64)) == 64  # the probe queue still lists every row
+        assert entries_read()["images_probe_queue"] >= before["images_probe_queue"] + 64
+
+
 def test_hash_index_matches_brute_force():
     """The vectorised index finds exactly the hashes a Python scan finds within the distance,
     across its growth (more than its initial capacity of 1024)."""

@@ -19,7 +19,7 @@ from curation.synthetic import colour_variant, copy_of, layout, natural, noise, 
 CONFIG = CurationConfig()
 
 
-def _decode(data: bytes) -> np.ndarray:
+def _decode(data: bytes) -> Image.Image:
     return thumbnail(Image.open(io.BytesIO(data)), CONFIG.filter.analysis_side)
 
 
@@ -38,13 +38,13 @@ def test_noise_is_dropped_and_grainy_photographs_kept(size):
     for kind in ("uniform", "gaussian", "grey"):
         picture = noise(rng, kind, size)
         for data in (_png(picture), copy_of(picture, quality=90)) if small else (copy_of(picture, quality=90),):
-            values = scores(_decode(data), CONFIG.filter)
+            values = scores(np.asarray(_decode(data)), CONFIG.filter)
             assert verdict(values, CONFIG.filter) == ("noise", values["neighbour_correlation"]), (kind, values)
             assert values["neighbour_correlation"] < 0.4
     for grain in (0.0, 4.0, 8.0) if small else (8.0,):
         picture = natural(rng, size, grain)
         for data in (_png(picture), copy_of(picture, quality=85)) if small else (copy_of(picture, quality=85),):
-            values = scores(_decode(data), CONFIG.filter)
+            values = scores(np.asarray(_decode(data)), CONFIG.filter)
             assert verdict(values, CONFIG.filter) is None, (grain, values)
             assert values["neighbour_correlation"] > 0.7
 
@@ -52,10 +52,10 @@ def test_noise_is_dropped_and_grainy_photographs_kept(size):
 def _fingerprint(image_id: int, image: Image.Image | bytes) -> dict:
     """What the filter job stores for dedup, computed by the filter job's own function, from
     encoded bytes (a copy) or a picture (lossless: what a PNG decodes to)."""
-    rgb = _decode(image) if isinstance(image, bytes) else thumbnail(image.copy(), CONFIG.filter.analysis_side)
-    values = filter_outcome({"id": image_id}, rgb, CONFIG).values
+    small = _decode(image) if isinstance(image, bytes) else thumbnail(image.copy(), CONFIG.filter.analysis_side)
+    values = filter_outcome({"id": image_id}, small, CONFIG).values
     return {"phash": values["phash"], "colour": values["colour_hash"], "thumbnail": values["thumbnail"],
-            "area": rgb.shape[0] * rgb.shape[1]}
+            "area": small.width * small.height}
 
 
 def test_near_duplicate_recall_and_precision():
