@@ -175,7 +175,7 @@ def load_pipeline(cls, model: str, *, text_encoder=None, vae=None, torch_dtype=N
     matrices stored quantized, read and quantized block by block (:mod:`krea2_diffusers.loaders.quantized`);
     ``tiny-random`` is built whole and quantized in place (it is tiny).
     """
-    from .quantized import check_quantization, load_quantized_transformer, quantize_storage_
+    from .quantized import check_quantization, quantize_storage_
 
     check_quantization(quantization)
     path = Path(model)
@@ -202,8 +202,7 @@ def load_pipeline(cls, model: str, *, text_encoder=None, vae=None, torch_dtype=N
         if not _should_load(transformer):
             kwargs["transformer"] = transformer
         elif quantization is not None:
-            kwargs["transformer"] = load_quantized_transformer(Krea2Transformer2DModel, path, quantization,
-                                                               torch_dtype=torch_dtype)
+            kwargs["transformer"] = load_transformer(model, torch_dtype=torch_dtype, quantization=quantization)
         for name, component in (("text_encoder", text_encoder), ("vae", vae)):
             if component is not None and not isinstance(component, (str, Path)):
                 kwargs[name] = component  # already loaded (e.g. shared with another pipeline)

@@ -7,7 +7,8 @@ difference between fitting "quantized + 4 GiB" on a 24 GiB machine and not. Both
 local (NF4: one absmax per 64 consecutive weights; int8: one scale per row), so quantizing chunk
 by chunk with the same float expressions gives the same bytes with a few MiB of temporaries. The
 NF4 statistics (1/64 of the weights) are then compressed by bitsandbytes itself, so the
-``QuantState`` is the one bitsandbytes builds. Other devices keep bitsandbytes' own kernels.
+``QuantState`` is the one bitsandbytes builds. CPU weights only: on other devices the layers keep
+bitsandbytes' own kernels (quantization.bnb decides).
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ def quantize_nf4(weight: torch.Tensor):
     Returns ``(packed (out*in/2, 1) uint8, QuantState)``. Per 64-weight block, bitsandbytes'
     kernel takes ``scaled = clamp(w * (1/absmax), -1, 1)`` and the code ``bucketize(scaled,
     midpoints)``; codes are packed two a byte, high nibble first. Sizes that are not a multiple
-    of 128 (a padded tail block; none in Krea 2) and other devices go to bitsandbytes itself.
+    of 128 (a padded tail block; none in Krea 2) go to bitsandbytes itself.
     """
     import bitsandbytes.functional as F
 
     n = weight.numel()
-    if weight.device.type != "cpu" or n % (2 * NF4_BLOCKSIZE):
+    if n % (2 * NF4_BLOCKSIZE):
         return F.quantize_4bit(weight, blocksize=NF4_BLOCKSIZE, compress_statistics=True, quant_type="nf4")
     bounds = _nf4_bounds()
     flat = weight.contiguous().reshape(-1)
@@ -60,12 +61,9 @@ def quantize_nf4(weight: torch.Tensor):
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What ``bitsandbytes.nn.Int8Params`` stores for ``weight`` (out, in): ``(CB (out, in) int8,
-    SCB (out,) float32)`` = ``int8_vectorwise_quant(weight.half())``, row chunk by row chunk."""
+    SCB (out,) float32)`` = ``int8_vectorwise_quant(weight.half())``, row chunk by row chunk (CPU)."""
     import bitsandbytes.functional as F
 
-    if weight.device.type != "cpu":
-        codes, scales, _ = F.int8_vectorwise_quant(weight.contiguous().to(torch.float16))
-        return codes, scales
     rows = max(1, CHUNK_WEIGHTS // weight.shape[1])
     codes = torch.empty(weight.shape, dtype=torch.int8)
     scales = torch.empty(weight.shape[0], dtype=torch.float32)
