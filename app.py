@@ -15,7 +15,6 @@ saving (``Demo``) live here, with the UI; the Train tab (``/train_plan``, ``/tra
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import tempfile
 import threading
@@ -28,6 +27,7 @@ import torch
 
 from krea2_diffusers import Krea2Pipeline
 from krea2_diffusers.loaders.assembly import load_pipeline
+from krea2_diffusers.pipelines.host_memory import release_freed_memory
 from krea2_diffusers.files import split_path_and_number
 from krea2_diffusers.limits import (
     CREATIVITY, GUIDANCE_CONVENTION, MAX_SEED, SIZE_PRESETS, STYLE_MODES, TEST_SIZE_PRESETS, InputError, Limits,
@@ -110,9 +110,7 @@ class Demo:
             if variant not in self._loaded:
                 while len(self._loaded) >= self._max_loaded:
                     self._loaded.pop(next(iter(self._loaded)))
-                    gc.collect()
-                    if torch.cuda.is_available():
-                        torch.cuda.empty_cache()
+                    release_freed_memory()
                 pipe = self._load(self.models[variant], variant == "Turbo")
                 if self.trained_lora is not None:
                     pipe.load_lora_weights(self.trained_lora, adapter_name=self.TRAINED_ADAPTER)

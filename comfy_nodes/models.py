@@ -5,7 +5,6 @@ Names are shown the way ComfyUI shows files: relative to their model folder, wit
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -175,9 +174,9 @@ class PipelineCache:
     def free(self) -> None:
         self._pipe = self._spec = None
         self._loras = ()
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        from krea2_diffusers.pipelines.host_memory import release_freed_memory
+
+        release_freed_memory()
 
     @property
     def loaded(self) -> LoadSpec | None:

@@ -4,7 +4,6 @@ device for a full fine-tune, and the Turbo transformer for validation."""
 
 from __future__ import annotations
 
-import gc
 from typing import Callable
 
 import torch
@@ -40,14 +39,16 @@ def load_pipeline(config: ModelConfig, device: torch.device, transformer=LOAD) -
 def release_encoders(pipe: Krea2Pipeline, device: torch.device, keep: bool) -> None:
     """After caching: with ``keep`` (validation samples need them) the text encoder and VAE leave
     the accelerator for the host; without, they are dropped, before the transformer loads."""
+    from krea2_diffusers.pipelines.host_memory import release_freed_memory
+
     if keep:
         pipe.text_encoder.to("cpu")
         pipe.vae.to("cpu")
     else:
         pipe.register_modules(text_encoder=None, vae=None)
-        gc.collect()  # the encoders' tensors are freed now, not at some later collection
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    # the encoders' tensors are freed now, not at some later collection, and their heap pages
+    # go back to the OS before the transformer loads on top of them
+    release_freed_memory()
 
 
 def load_transformer(config: ModelConfig) -> Krea2Transformer2DModel:

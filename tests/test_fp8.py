@@ -37,6 +37,53 @@ def test_from_linear_matches_its_dequantized_weight(per_row):
         assert (expected[1].float() - dense.weight[1]).abs().max() <= dense.weight[1].abs().max() / 16
 
 
+@pytest.mark.parametrize("per_row", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_chunked_quantizer_gives_the_whole_matrix_bytes(monkeypatch, per_row, dtype):
+    """Row chunks (several, a short last one) give the bytes of the one-piece expression."""
+    from krea2_diffusers.quantization import bnb_packing
+    from krea2_diffusers.quantization.fp8 import quantize_weight
+
+    torch.manual_seed(1)
+    weight = (torch.randn(45, 96) * torch.logspace(-4, 3, 45).unsqueeze(1)).to(dtype)
+    weight[7] = 0  # an all-zero row keeps the tiny scale
+    w = weight.float()
+    amax = w.abs().amax(dim=1, keepdim=True) if per_row else w.abs().amax()
+    scale = (amax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    expected = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    monkeypatch.setattr(bnb_packing, "CHUNK_WEIGHTS", 96 * 4)  # 4 rows a chunk, 12 chunks
+    before = weight.clone()
+    values, got_scale = quantize_weight(weight, per_row=per_row)
+    assert torch.equal(weight, before)  # the float32 input is not divided in place
+    assert torch.equal(got_scale, scale)
+    assert torch.equal(values.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("per_row", [True, False])
+def test_cpu_row_chunks_give_the_one_piece_forward_and_backward(monkeypatch, per_row):
+    """On the CPU the layer computes in output-row chunks (several, a short last one): the output
+    and both gradients equal the dense float64 computation to float64 rounding."""
+    from krea2_diffusers.quantization import bnb_packing
+
+    torch.manual_seed(2)
+    dense = nn.Linear(16, 45)
+    layer = Fp8Linear.from_linear(dense, torch.float64, per_row=per_row)
+    weight = layer.dequantized_weight(torch.float64).detach()  # one piece (float32 products, as the layer)
+    bias = layer.bias.detach().double().requires_grad_(True)
+    layer.bias = nn.Parameter(bias.detach().clone())
+    monkeypatch.setattr(bnb_packing, "CHUNK_WEIGHTS", 16 * 4)  # 4 rows a chunk: 12 chunks
+    x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    out = layer(x)
+    reference_x = x.detach().clone().requires_grad_(True)
+    reference = F.linear(reference_x, weight, bias)
+    torch.testing.assert_close(out, reference, rtol=1e-13, atol=1e-13)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    reference.backward(grad)
+    torch.testing.assert_close(x.grad, reference_x.grad, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(layer.bias.grad, bias.grad, rtol=1e-13, atol=1e-13)
+
+
 def test_stored_fp8_and_scale_per_row_or_per_tensor():
     weight = (torch.randn(4, 3) * 100).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     for scale in (torch.tensor(0.5), torch.rand(4) + 0.1, torch.rand(4, 1) + 0.1):

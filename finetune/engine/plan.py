@@ -159,14 +159,11 @@ class HostPeak:
         self.growth = 0
 
     def __enter__(self):
-        import ctypes
-
         import psutil
 
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except OSError:  # not glibc: growth may then be understated by reused pages
-            pass
+        from krea2_diffusers.pipelines.host_memory import release_freed_memory
+
+        release_freed_memory()  # not glibc: growth may then be understated by reused pages
         self._process = psutil.Process()
         self._base = self._peak = self._process.memory_info().rss
         self._done = threading.Event()

@@ -126,6 +126,9 @@ def load_quantized_transformer(cls, path, quantization: str, *, torch_dtype: tor
         for handle in handles.values():
             handle.close()
     quantize_storage_(model, quantization, compute)  # any matrix outside the blocks (none in Krea 2 today)
+    from ..pipelines.host_memory import release_freed_memory
+
+    release_freed_memory()  # the last blocks' full-precision buffers sit freed in the heap
     return model.eval()
 
 
@@ -144,8 +147,8 @@ def planned_transformer_bytes(cls, config: dict, quantization: str | None, torch
     """(resident bytes, extra peak bytes while loading) of a transformer ``cls(**config)`` loaded with
     ``quantization`` (None: every tensor in ``torch_dtype``), counted from the module tree built on
     the meta device. The extra is one block in the file's bf16 plus the quantizer's float32
-    temporaries (three float32 copies and the codes: ~13 bytes a weight) of the largest matrix for
-    fp8, of one chunk for int8 / NF4 (quantized on CPU chunk by chunk, ``bnb_packing``)."""
+    temporaries (float32 copies and the codes: ~13 bytes a weight) of one chunk of ``CHUNK_WEIGHTS``
+    (every mode quantizes row chunk by row chunk: ``fp8.quantize_weight``, ``bnb_packing``)."""
     with torch.device("meta"):
         model = cls(**config)
     packed = _quantized_weights(model) if quantization else set()
@@ -161,6 +164,5 @@ def planned_transformer_bytes(cls, config: dict, quantization: str | None, torch
         total += quantized_linear_bytes(linear.in_features, linear.out_features, quantization)
         largest = max(largest, linear.weight.numel())
     block = sum(p.numel() for p in model.transformer_blocks[0].parameters()) * 2
-    if quantization in BNB_MODES:
-        largest = min(largest, CHUNK_WEIGHTS)
+    largest = min(largest, CHUNK_WEIGHTS)
     return total, (block + 13 * largest) if quantization else 0

@@ -156,11 +156,9 @@ def release_text_encoder(pipe) -> None:
     if hasattr(pipe, "remove_all_hooks"):
         pipe.remove_all_hooks()  # offload hooks hold a reference to the module
     pipe.register_modules(text_encoder=None)
-    import gc
+    from .host_memory import release_freed_memory
 
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    release_freed_memory()
 
 
 def apply_plan(pipe, plan: MemoryPlan, device: torch.device) -> None:

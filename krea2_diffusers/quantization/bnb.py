@@ -67,6 +67,10 @@ def _replacement(bnb, linear: nn.Linear, mode: str, compute_dtype: torch.dtype) 
     if mode == "nf4":
         new = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=bias is not None,
                                 compute_dtype=compute_dtype, quant_type="nf4", device="meta")
+        # bitsandbytes >= 0.49 repacks the weight in place, with a bf16 absmax, at the first no-grad
+        # eval forward on CPUs with AVX512-BF16: the numerics (and in_features < 64, a crash) would
+        # depend on the machine, and the stored bytes would no longer be the ones we wrote.
+        new.support_avx512bf16_for_cpu = False
         if on_cpu:  # the same bytes as bitsandbytes' own quantizer, with chunk-sized temporaries
             packed, state = quantize_nf4(weight)
             new.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, quant_type="nf4",

@@ -31,13 +31,32 @@ def quantize_weight(weight: torch.Tensor, per_row: bool = True) -> tuple[torch.T
     """(out, in) float weight -> (out, in) e4m3 values and a float32 scale, weight ~= fp8 * scale.
 
     The scale is one value per output row, shaped (out, 1), or (``per_row=False``, ComfyUI's
-    per-tensor format) a scalar of shape (): absolute maximum / 448 either way.
+    per-tensor format) a scalar of shape (): absolute maximum / 448 either way. Computed in row
+    chunks of ~``CHUNK_WEIGHTS`` weights: the whole-matrix float32 copies (~13 bytes a weight) would
+    add ~1 GiB to the streamed load of the 12.8B model's largest matrices; every element is
+    computed by the same expression, so the result is the same to the bit.
     """
-    w = weight.detach().float()
-    amax = w.abs().amax(dim=1, keepdim=True) if per_row else w.abs().amax()
-    scale = (amax / FP8_MAX).clamp_min(_MIN_SCALE)
-    # clamp: rounding in w / scale can land a hair above 448, which e4m3fn cannot hold.
-    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    from .bnb_packing import CHUNK_WEIGHTS
+
+    w = weight.detach()
+    rows = max(1, CHUNK_WEIGHTS // max(1, w.shape[1]))
+    if per_row:
+        scale = torch.empty(w.shape[0], 1, dtype=torch.float32, device=w.device)
+        for start in range(0, w.shape[0], rows):
+            scale[start:start + rows] = w[start:start + rows].float().abs().amax(dim=1, keepdim=True)
+    else:
+        amax = torch.zeros((), dtype=torch.float32, device=w.device)
+        for start in range(0, w.shape[0], rows):
+            amax = torch.maximum(amax, w[start:start + rows].float().abs().amax())
+        scale = amax
+    scale = (scale / FP8_MAX).clamp_min(_MIN_SCALE)
+    out = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+    for start in range(0, w.shape[0], rows):
+        part = w[start:start + rows].to(torch.float32, copy=True)  # a copy even for float32: divided in place
+        # clamp: rounding in w / scale can land a hair above 448, which e4m3fn cannot hold.
+        part.div_(scale[start:start + rows] if per_row else scale).clamp_(-FP8_MAX, FP8_MAX)
+        out[start:start + rows] = part.to(FP8_DTYPE)
+    return out, scale
 
 
 def _scale_shape(scale: torch.Tensor, rows: int) -> torch.Tensor:
@@ -53,22 +72,51 @@ def dequantize_weight(weight_fp8: torch.Tensor, scale: torch.Tensor, dtype: torc
     return (weight_fp8.to(torch.float32) * _scale_shape(scale, weight_fp8.shape[0]).to(weight_fp8.device)).to(dtype)
 
 
+def _row_chunks(weight_fp8: torch.Tensor, device: torch.device) -> list[slice]:
+    """Output-row slices of ~``CHUNK_WEIGHTS`` weights when computing on the CPU, else one slice.
+
+    On the CPU the whole dequantized matrix (and the float32 copy its conversion makes) is a fresh
+    mmap per call: ~0.75 GiB for the 12.8B model's MLP matrices, on top of the host plan, and the
+    kernel zeroing those pages took more CPU time than the matmuls at 128 px. Chunks of a few MiB
+    are reused from the heap. GPUs keep one dequantized matrix per call (their plan counts it).
+    """
+    from .bnb_packing import CHUNK_WEIGHTS
+
+    rows, cols = weight_fp8.shape
+    step = rows if device.type != "cpu" else max(1, CHUNK_WEIGHTS // max(1, cols))
+    return [slice(start, start + step) for start in range(0, rows, step)]
+
+
+def _chunk_weight(packed, scale, rows: slice, fp8_dtype, dtype, device) -> torch.Tensor:
+    """Rows ``rows`` of the dequantized weight, (len(rows), in) in ``dtype`` on ``device``."""
+    part = packed[rows].to(device).view(fp8_dtype)
+    scale = scale if scale.numel() == 1 else scale.reshape(-1, 1)[rows]
+    return dequantize_weight(part, scale, dtype)
+
+
 class _Fp8Matmul(torch.autograd.Function):
-    """x (..., in) @ dequantized(weight).T + bias, saving the packed bytes (not the expanded weight) for backward."""
+    """x (..., in) @ dequantized(weight).T + bias, saving the packed bytes (not the expanded weight)
+    for backward; on the CPU in output-row chunks (:func:`_row_chunks`)."""
 
     @staticmethod
     def forward(ctx, x, packed, scale, bias, fp8_dtype):
-        weight = dequantize_weight(packed.to(x.device).view(fp8_dtype), scale, x.dtype)
         ctx.save_for_backward(packed, scale)
         ctx.fp8_dtype = fp8_dtype
-        return F.linear(x, weight, None if bias is None else bias.to(device=x.device, dtype=x.dtype))
+        bias = None if bias is None else bias.to(device=x.device, dtype=x.dtype)
+        chunks = _row_chunks(packed, x.device)
+        parts = [F.linear(x, _chunk_weight(packed, scale, rows, fp8_dtype, x.dtype, x.device),
+                          None if bias is None else bias[rows]) for rows in chunks]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     @staticmethod
     def backward(ctx, grad_out):
         packed, scale = ctx.saved_tensors
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad_out @ dequantize_weight(packed.to(grad_out.device).view(ctx.fp8_dtype), scale, grad_out.dtype)
+            # grad_x = grad_out @ W, summed over the row chunks of W (one term off the CPU)
+            for rows in _row_chunks(packed, grad_out.device):
+                term = grad_out[..., rows] @ _chunk_weight(packed, scale, rows, ctx.fp8_dtype, grad_out.dtype, grad_out.device)
+                grad_x = term if grad_x is None else grad_x.add_(term)
         if ctx.needs_input_grad[3]:
             grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
         return grad_x, None, None, grad_bias, None
