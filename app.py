@@ -27,8 +27,8 @@ import torch
 
 from krea2_diffusers import Krea2Pipeline
 from krea2_diffusers.loaders.assembly import load_pipeline
-from krea2_diffusers.pipelines.host_memory import release_freed_memory
 from krea2_diffusers.files import split_path_and_number
+from krea2_diffusers.heap import release_freed_memory
 from krea2_diffusers.limits import (
     CREATIVITY, GUIDANCE_CONVENTION, MAX_SEED, SIZE_PRESETS, STYLE_MODES, TEST_SIZE_PRESETS, InputError, Limits,
     Request, check,

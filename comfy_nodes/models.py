@@ -174,7 +174,7 @@ class PipelineCache:
     def free(self) -> None:
         self._pipe = self._spec = None
         self._loras = ()
-        from krea2_diffusers.pipelines.host_memory import release_freed_memory
+        from krea2_diffusers.heap import release_freed_memory
 
         release_freed_memory()
 

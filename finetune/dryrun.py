@@ -194,7 +194,7 @@ def host_plan(config: TrainConfig, plan: MemoryPlan, on_gpu: bool) -> HostPlan:
     where the caching phase needs more than the training phase. On the CPU the training plan's
     rows are host memory too; the load's transient and training's own tensors never coexist."""
     from krea2_diffusers.loaders.quantized import planned_transformer_bytes
-    from krea2_diffusers.pipelines.host_memory import PROCESS_BASELINE, file_bytes
+    from krea2_diffusers.pipelines.host_memory import PROCESS_BASELINE, dequantized_weight_bytes, file_bytes
 
     from .model import DTYPES, transformer_weights
 
@@ -215,7 +215,11 @@ def host_plan(config: TrainConfig, plan: MemoryPlan, on_gpu: bool) -> HostPlan:
             if label.startswith("frozen"):
                 host.add(label, size)
         training = sum(size for label, size in rows if not label.startswith("frozen"))
-        host.add("training tensors, or the load's one block + quantizer temporaries (the larger)", max(training, loading))
+        label = "training tensors"
+        if quantization in ("int8", "nf4"):  # bitsandbytes' CPU kernels dequantize a whole matrix per call
+            training += dequantized_weight_bytes(transformer_config)
+            label += " (and one dequantized weight)"
+        host.add(f"{label}, or the load's one block + quantizer temporaries (the larger)", max(training, loading))
     else:
         host.add("the load's one block + quantizer temporaries", loading)
     if not config.validation.prompts:

@@ -39,7 +39,7 @@ def load_pipeline(config: ModelConfig, device: torch.device, transformer=LOAD) -
 def release_encoders(pipe: Krea2Pipeline, device: torch.device, keep: bool) -> None:
     """After caching: with ``keep`` (validation samples need them) the text encoder and VAE leave
     the accelerator for the host; without, they are dropped, before the transformer loads."""
-    from krea2_diffusers.pipelines.host_memory import release_freed_memory
+    from krea2_diffusers.heap import release_freed_memory
 
     if keep:
         pipe.text_encoder.to("cpu")

@@ -107,17 +107,25 @@ def test_sixteen_workers_four_killed(server, tmp_path):
     import psycopg
 
     with psycopg.connect(dsn, autocommit=True) as conn:
-        deadline = time.monotonic() + 150
-        for victim in victims:  # each one at a random moment while it holds a batch
-            time.sleep(float(rng.uniform(0.0, 1.5)))
-            while victim.pid not in killed_at and time.monotonic() < deadline and victim.poll() is None:
+        # Each victim at its own random moment (drawn for all four at once, not one after another:
+        # on a fast machine the corpus is done before four sequential waits are over), killed the
+        # first time it is seen holding a batch from then on.
+        start = time.monotonic()
+        deadline = start + 150
+        not_before = {victim.pid: start + float(rng.uniform(0.0, 1.5)) for victim in victims}
+        while len(killed_at) < 4 and time.monotonic() < deadline:
+            alive = [v for v in victims if v.pid not in killed_at and v.poll() is None]
+            if not alive:
+                break
+            for victim in alive:
+                if time.monotonic() < not_before[victim.pid]:
+                    continue
                 held = conn.execute("SELECT count(*) FROM claim_log WHERE worker LIKE %s AND released_at IS NULL",
                                     (f"%:{victim.pid}",)).fetchone()[0]
                 if held:
                     os.kill(victim.pid, signal.SIGKILL)
                     killed_at[victim.pid] = conn.execute("SELECT clock_timestamp()").fetchone()[0]
-                else:
-                    time.sleep(0.02)
+            time.sleep(0.02)
     assert len(killed_at) == 4, "a victim exited before it was killed holding a batch"
     for process in workers:
         if process.pid not in killed_at:

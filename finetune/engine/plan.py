@@ -161,7 +161,7 @@ class HostPeak:
     def __enter__(self):
         import psutil
 
-        from krea2_diffusers.pipelines.host_memory import release_freed_memory
+        from krea2_diffusers.heap import release_freed_memory
 
         release_freed_memory()  # not glibc: growth may then be understated by reused pages
         self._process = psutil.Process()

@@ -126,7 +126,7 @@ def load_quantized_transformer(cls, path, quantization: str, *, torch_dtype: tor
         for handle in handles.values():
             handle.close()
     quantize_storage_(model, quantization, compute)  # any matrix outside the blocks (none in Krea 2 today)
-    from ..pipelines.host_memory import release_freed_memory
+    from ..heap import release_freed_memory
 
     release_freed_memory()  # the last blocks' full-precision buffers sit freed in the heap
     return model.eval()

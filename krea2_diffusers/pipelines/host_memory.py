@@ -94,9 +94,8 @@ def plan_host_memory(model, quantization: str | None, torch_dtype: torch.dtype, 
     if config is not None:
         with torch.device("meta"):
             model = Krea2Transformer2DModel(**config)
-        largest = max(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
         width = max(config.get("intermediate_size", 16384), 6 * model.img_in.out_features)
-        compute = largest * 4 * DEQUANT_COPIES + tokens * width * 4 * 4
+        compute = dequantized_weight_bytes(config) + tokens * width * 4 * 4
     plan.add("largest transient (loading: one block + quantizer temporaries; or compute)", max(loading, compute))
     if release_text_encoder:  # only what the encoding phase needs beyond the transformer phase
         plan.add("text encoder (released before the transformer loads), beyond the above",
@@ -104,25 +103,17 @@ def plan_host_memory(model, quantization: str | None, torch_dtype: torch.dtype, 
     return plan
 
 
-def release_freed_memory() -> None:
-    """Collect garbage, hand freed heap pages back to the OS and empty CUDA's cache.
+def dequantized_weight_bytes(config: dict) -> int:
+    """Host bytes one quantized layer call adds on the CPU: the largest (out, in) matrix of the
+    transformer ``config`` dequantized to float32 plus the float32 copy its conversion makes
+    (:data:`DEQUANT_COPIES`), as bitsandbytes' CPU kernels do. (fp8 layers work in row chunks
+    of a few MiB on the CPU; the plans keep the whole-matrix figure as their margin.)"""
+    from ..models.transformer import Krea2Transformer2DModel
 
-    Called after a large part of a model is dropped (the text encoder after encoding, a replaced
-    pipeline). glibc keeps freed blocks under its mmap threshold (which rises to 32 MiB as large
-    tensors come and go) in the heap: measured on the random full-width text encoder, 0.83 GiB stays
-    resident after it is dropped until ``malloc_trim`` returns it, and the 12.8B transformer then
-    loads on top of it. Elsewhere than glibc the trim is skipped (the pages are reused either way).
-    """
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    with torch.device("meta"):
+        model = Krea2Transformer2DModel(**config)
+    largest = max(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return largest * 4 * DEQUANT_COPIES
 
 
 def host_ram() -> int:

@@ -156,7 +156,7 @@ def release_text_encoder(pipe) -> None:
     if hasattr(pipe, "remove_all_hooks"):
         pipe.remove_all_hooks()  # offload hooks hold a reference to the module
     pipe.register_modules(text_encoder=None)
-    from .host_memory import release_freed_memory
+    from ..heap import release_freed_memory
 
     release_freed_memory()
 
