@@ -43,6 +43,7 @@ DEFAULT_CHECKPOINT = Path.home() / ".cache" / "krea2-diffusers" / "krea2-full-si
 GENERATE_MODES = ("fp8", "int8", "nf4", "Q4_K")
 TRAIN_MODES = ("fp8", "int8", "nf4")
 PROMPT = "a lighthouse on a cliff at dusk, oil painting"
+CLOCK_START = time.monotonic()  # reset by main() when the measurement starts
 GIB = 1024**3
 
 
@@ -79,8 +80,12 @@ class TreePeak:
     sum of each one's proportional share (``Pss_Anon``, shared pages divided among the sharers),
     which counts every page once; reading it walks the page tables, so only then."""
 
-    def __init__(self, interval: float = 0.2):
+    def __init__(self, interval: float = 0.2, every: float = 5.0):
         self.interval, self.peak = interval, 0
+        self.start = time.monotonic()
+        self.peak_at = 0.0  # seconds from the start (the child's log lines carry the same clock)
+        self.timeline: list[tuple[float, int]] = []  # (seconds, bytes) every ``every`` s: where the peak sits
+        self._every = every
         self._done = threading.Event()
 
     def _tree(self) -> list[int]:
@@ -97,7 +102,11 @@ class TreePeak:
                 total = sum(_memory_field(f"/proc/{pid}/smaps_rollup", "Pss_Anon:") for pid in pids)
             else:
                 total = sum(rss.values())
-            self.peak = max(self.peak, total)
+            now = time.monotonic() - self.start
+            if total > self.peak:
+                self.peak, self.peak_at = total, now
+            if not self.timeline or now - self.timeline[-1][0] >= self._every:
+                self.timeline.append((round(now, 1), total))
             time.sleep(self.interval)
 
     def __enter__(self):
@@ -115,8 +124,11 @@ def _krea2(*args: str, log: Path) -> str:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     print("$ krea2 " + " ".join(args), flush=True)
     with open(log, "w") as handle:
-        code = subprocess.call([sys.executable, "-m", "krea2_diffusers.cli", *args], stdout=handle, stderr=subprocess.STDOUT,
-                               env=env, cwd=str(ROOT))
+        child = subprocess.Popen([sys.executable, "-m", "krea2_diffusers.cli", *args], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, env=env, cwd=str(ROOT), text=True, errors="replace")
+        for line in child.stdout:  # each line stamped with TreePeak's clock, to place the peak in the run
+            handle.write(f"[{time.monotonic() - CLOCK_START:8.1f} s] {line}")
+        code = child.wait()
     text = log.read_text()
     print(text[-4000:], flush=True)
     if code != 0:
@@ -247,12 +259,15 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="krea2-full-size-"))
     try:
         write_random_text_encoder(tmp / "text_encoder")
+        global CLOCK_START
         with TreePeak() as peak:
+            CLOCK_START = peak.start
             result = (generate if args.mode == "generate" else train)(args, tmp, device)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     result = dict(peak_host_bytes=peak.peak, device=device_name, **result)
     print(json.dumps(result, indent=2))
+    result.update(peak_at_seconds=peak.peak_at, host_timeline=peak.timeline)
     print(f"{args.mode} {args.quantize}: peak host {peak.peak / GIB:.2f} GiB (plan {result['plan_host_bytes'] / GIB:.2f}), "
           f"quantized transformer {result['quantized_transformer_bytes'] / GIB:.2f} GiB, {result['seconds_per_step']:.1f} s/step")
     if args.json:

@@ -69,6 +69,14 @@ def _quantized_weights(model: nn.Module) -> set[str]:
     return {f"{n}.weight" for n, m in model.named_modules() if type(m) is nn.Linear and not skip(n)}
 
 
+def largest_quantized_weight(cls, config: dict) -> int:
+    """Weights in the largest matrix of ``cls(**config)`` that the quantizers replace (the kept,
+    full-precision layers such as the 6-way modulation projection are larger, but never dequantized)."""
+    with torch.device("meta"):
+        model = cls(**config)
+    return max(model.get_submodule(name.rsplit(".", 1)[0]).weight.numel() for name in _quantized_weights(model))
+
+
 def load_quantized_transformer(cls, path, quantization: str, *, torch_dtype: torch.dtype | None = None,
                                config: dict | None = None, device=None) -> nn.Module:
     """A Krea 2 transformer whose block matrices are stored as ``quantization``, streamed from ``path``.

@@ -104,16 +104,14 @@ def plan_host_memory(model, quantization: str | None, torch_dtype: torch.dtype, 
 
 
 def dequantized_weight_bytes(config: dict) -> int:
-    """Host bytes one quantized layer call adds on the CPU: the largest (out, in) matrix of the
-    transformer ``config`` dequantized to float32 plus the float32 copy its conversion makes
-    (:data:`DEQUANT_COPIES`), as bitsandbytes' CPU kernels do. (fp8 layers work in row chunks
-    of a few MiB on the CPU; the plans keep the whole-matrix figure as their margin.)"""
+    """Host bytes one quantized layer call adds on the CPU: the largest quantized (out, in) matrix
+    of the transformer ``config`` dequantized to float32 plus the float32 copy its conversion makes
+    (:data:`DEQUANT_COPIES`), as bitsandbytes' CPU kernels do. (fp8 layers work in row chunks of a
+    few MiB on the CPU; the plans keep the whole-matrix figure as their margin.)"""
+    from ..loaders.quantized import largest_quantized_weight
     from ..models.transformer import Krea2Transformer2DModel
 
-    with torch.device("meta"):
-        model = Krea2Transformer2DModel(**config)
-    largest = max(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    return largest * 4 * DEQUANT_COPIES
+    return largest_quantized_weight(Krea2Transformer2DModel, config) * 4 * DEQUANT_COPIES
 
 
 def host_ram() -> int:
