@@ -43,7 +43,7 @@ DEFAULT_CHECKPOINT = Path.home() / ".cache" / "krea2-diffusers" / "krea2-full-si
 GENERATE_MODES = ("fp8", "int8", "nf4", "Q4_K")
 TRAIN_MODES = ("fp8", "int8", "nf4")
 PROMPT = "a lighthouse on a cliff at dusk, oil painting"
-CLOCK_START = time.monotonic()  # reset by main() when the measurement starts
+CLOCK_START = time.monotonic()  # the one clock of the peak sampler and the stamped log lines
 GIB = 1024**3
 
 
@@ -82,8 +82,7 @@ class TreePeak:
 
     def __init__(self, interval: float = 0.2, every: float = 5.0):
         self.interval, self.peak = interval, 0
-        self.start = time.monotonic()
-        self.peak_at = 0.0  # seconds from the start (the child's log lines carry the same clock)
+        self.peak_at = 0.0  # seconds on CLOCK_START (the child's log lines carry the same clock)
         self.timeline: list[tuple[float, int]] = []  # (seconds, bytes) every ``every`` s: where the peak sits
         self._every = every
         self._done = threading.Event()
@@ -102,7 +101,7 @@ class TreePeak:
                 total = sum(_memory_field(f"/proc/{pid}/smaps_rollup", "Pss_Anon:") for pid in pids)
             else:
                 total = sum(rss.values())
-            now = time.monotonic() - self.start
+            now = time.monotonic() - CLOCK_START
             if total > self.peak:
                 self.peak, self.peak_at = total, now
             if not self.timeline or now - self.timeline[-1][0] >= self._every:
@@ -259,9 +258,7 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="krea2-full-size-"))
     try:
         write_random_text_encoder(tmp / "text_encoder")
-        global CLOCK_START
         with TreePeak() as peak:
-            CLOCK_START = peak.start
             result = (generate if args.mode == "generate" else train)(args, tmp, device)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

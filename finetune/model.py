@@ -36,7 +36,7 @@ def load_pipeline(config: ModelConfig, device: torch.device, transformer=LOAD) -
     return pipe
 
 
-def release_encoders(pipe: Krea2Pipeline, device: torch.device, keep: bool) -> None:
+def release_encoders(pipe: Krea2Pipeline, keep: bool) -> None:
     """After caching: with ``keep`` (validation samples need them) the text encoder and VAE leave
     the accelerator for the host; without, they are dropped, before the transformer loads."""
     from krea2_diffusers.heap import release_freed_memory

@@ -116,7 +116,7 @@ class Trainer:
             config.model.max_sequence_length, runtime.device, runtime.rank, runtime.world_size, runtime.barrier,
         )
         text_encoder = SimpleNamespace(config=self.pipe.text_encoder.config)  # its width, checked once the transformer is there
-        release_encoders(self.pipe, runtime.device, keep=bool(config.validation.prompts))
+        release_encoders(self.pipe, keep=bool(config.validation.prompts))
         if self.lora:
             transformer = load_transformer(config.model)
             check_text_width(transformer, text_encoder, config.model.text_encoder or config.model.pretrained_model_name_or_path)
