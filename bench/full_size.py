@@ -142,14 +142,15 @@ def _plan_bytes(text: str) -> int:
     return int(float(match.group(1)) * GIB)
 
 
-def ensure_checkpoint(path: Path) -> None:
-    if path.exists():
-        return
-    from full_size_models import write_random_checkpoint
-
-    start = time.perf_counter()
-    count = write_random_checkpoint(path)
-    print(f"wrote {path}: {count:,} parameters in {time.perf_counter() - start:.0f} s", flush=True)
+def prepare(checkpoint: Path, text_encoder: Path) -> str:
+    """Write the random checkpoint (when missing) and text encoder in a child, and return the device
+    the run uses ("cpu" or the GPU's name), asked of another child: this process then holds no torch
+    heap of its own (building the random text encoder left ~1.3 GiB resident here, which the tree's
+    peak counted on top of the ``krea2 train`` child it measures)."""
+    subprocess.run([sys.executable, str(ROOT / "bench" / "full_size_models.py"), str(checkpoint), str(text_encoder)],
+                   check=True)
+    probe = "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"
+    return subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout.strip()
 
 
 def generate(args, tmp: Path, device: str) -> dict:
@@ -247,17 +248,11 @@ def train(args, tmp: Path, device: str) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import torch
-
-    from full_size_models import write_random_text_encoder
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     args.checkpoint = args.checkpoint.resolve()
-    ensure_checkpoint(args.checkpoint)
     tmp = Path(tempfile.mkdtemp(prefix="krea2-full-size-"))
     try:
-        write_random_text_encoder(tmp / "text_encoder")
+        device_name = prepare(args.checkpoint, tmp / "text_encoder")
+        device = "cpu" if device_name == "cpu" else "cuda"
         with TreePeak() as peak:
             result = (generate if args.mode == "generate" else train)(args, tmp, device)
     finally:

@@ -108,9 +108,25 @@ def write_random_text_encoder(folder, seed: int = 0) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-if __name__ == "__main__":
+def main(argv=None) -> int:
+    """``python bench/full_size_models.py CHECKPOINT [TEXT_ENCODER_FOLDER]``: write the random
+    checkpoint (when missing) and the random text encoder. ``bench/full_size.py`` runs this as a child
+    so that building them leaves nothing in the measured process's heap."""
     import time
 
-    t = time.perf_counter()
-    count = write_random_checkpoint(sys.argv[1])
-    print(f"wrote {sys.argv[1]}: {count:,} parameters in {time.perf_counter() - t:.0f} s")
+    args = sys.argv[1:] if argv is None else argv
+    if not 1 <= len(args) <= 2:
+        print(main.__doc__, file=sys.stderr)
+        return 2
+    checkpoint = Path(args[0])
+    if not checkpoint.exists():
+        t = time.perf_counter()
+        count = write_random_checkpoint(checkpoint)
+        print(f"wrote {checkpoint}: {count:,} parameters in {time.perf_counter() - t:.0f} s", flush=True)
+    if len(args) == 2:
+        write_random_text_encoder(args[1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -180,7 +180,7 @@ def plan_text(config: TrainConfig, world_size: int = 1, copies: ModelCopies = Mo
     plan, what = build_plan(config, world_size, copies)
     host, ram = host_plan(config, plan, on_gpu), host_ram()
     short = (available is not None and plan.total > available) or host.total > ram
-    fitting = _fitting_modes(config, world_size, copies, available if on_gpu else ram, on_gpu) if short else []
+    fitting = _fitting_modes(config, world_size, copies, available if on_gpu else ram, on_gpu, plan) if short else []
     text = (f"dry run: {what}, {world_size} process(es)\n" + plan.render(name, available, fitting) + "\n"
             + host.render(ram, fitting))
     return text, plan
@@ -228,8 +228,10 @@ def host_plan(config: TrainConfig, plan: MemoryPlan, on_gpu: bool) -> HostPlan:
     return host
 
 
-def _fitting_modes(config: TrainConfig, world_size: int, copies: ModelCopies, available: int, on_gpu: bool) -> list[str]:
-    """The ``model.quantize`` values (smallest first) whose plan fits ``available`` bytes (LoRA only)."""
+def _fitting_modes(config: TrainConfig, world_size: int, copies: ModelCopies, available: int, on_gpu: bool,
+                   own: MemoryPlan) -> list[str]:
+    """The ``model.quantize`` values (smallest first) whose plan fits ``available`` bytes (LoRA only);
+    ``own`` is the plan of ``config``'s own mode, already built (a full-size plan takes seconds)."""
     if config.training.method != "lora":
         return []
     fitting = []
@@ -240,7 +242,7 @@ def _fitting_modes(config: TrainConfig, world_size: int, copies: ModelCopies, av
             other.validate()  # e.g. LoKr/LoHa cannot train over nf4
         except ConfigError:
             continue
-        plan, _ = build_plan(other, world_size, copies)
+        plan = own if mode == config.model.quantize else build_plan(other, world_size, copies)[0]
         total = plan.total if on_gpu else host_plan(other, plan, on_gpu).total
         if total <= available:
             fitting.append(f"model.quantize={mode}")

@@ -34,20 +34,20 @@ def make_images(folder: Path, count: int = 8) -> Path:
     return folder
 
 
-def full_size_header_only(folder: Path) -> Path:
-    """A diffusers transformer folder of the released 12.8B config whose safetensors file holds a
-    header and a sparse hole: enough for the plan (which reads no weight), 4 KiB on disk."""
+def full_size_header_only(folder: Path, config: dict | None = None) -> Path:
+    """A diffusers transformer folder of the released 12.8B config (or ``config``) whose safetensors
+    file holds a header and a sparse hole: enough for the plan (which reads no weight), 4 KiB on disk."""
     from krea2_diffusers import Krea2Transformer2DModel
 
     with torch.device("meta"):
-        model = Krea2Transformer2DModel()  # the class defaults are the released model
+        model = Krea2Transformer2DModel(**(config or {}))  # the class defaults are the released model
     header, offset = {}, 0
     for name, tensor in model.state_dict().items():
         size = tensor.numel() * 2
         header[name] = {"dtype": "BF16", "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
         offset += size
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({"_class_name": "Krea2Transformer2DModel"}))
+    (folder / "config.json").write_text(json.dumps({"_class_name": "Krea2Transformer2DModel", **(config or {})}))
     raw = json.dumps(header).encode()
     path = folder / "diffusion_pytorch_model.safetensors"
     with open(path, "wb") as handle:
@@ -101,6 +101,7 @@ def test_bad_input_is_refused_with_a_clear_message_and_writes_nothing(client, ap
     plan = json.loads(client.predict(str(images), "48gb+", str(big), api_name="/train_plan"))
     assert not plan["fits"] and plan["card_gib"] == 16 and plan["total_gib"] > 16
     assert "DOES NOT FIT" in plan["plan"] and "try the 16gb preset" in plan["plan"], plan["plan"]
+    assert "model.quantize=nf4 would fit" in plan["plan"], plan["plan"]  # the modes tried beside the preset's own
     assert "LoRA r32 on a bfloat16 base" in plan["plan"] and "memory plan per process on a 16 GiB card" in plan["plan"]
     with pytest.raises(AppError, match="Not started. DOES NOT FIT"):
         client.predict(str(images), "48gb+", str(big), "acme", STEPS, api_name="/train_start")
@@ -111,6 +112,35 @@ def test_bad_input_is_refused_with_a_clear_message_and_writes_nothing(client, ap
     assert not app_server.runs.exists() or not any(app_server.runs.iterdir())
     assert listing(tmp_path / "images") == sorted([f"picture_{i}.{e}" for i in range(2) for e in ("png", "txt")])
     assert listing(texts) == ["list.csv", "notes.txt"] and listing(empty) == []
+
+
+def test_a_plan_is_reused_until_the_config_or_the_base_models_files_change(tmp_path, monkeypatch):
+    """"Start" after "Plan" reuses the plan (a full-size one takes seconds per quantization and preset
+    tried); the same config over a rewritten base model file, or another preset, is planned again."""
+    import os
+
+    import finetune.dryrun
+    from krea2_diffusers.models.tiny import tiny_transformer_config
+    from train_tab.plan import fit
+    from train_tab.presets import run_config
+
+    planned = []
+    real = finetune.dryrun.plan_text
+    monkeypatch.setattr(finetune.dryrun, "plan_text", lambda config, **kw: planned.append(1) or real(config, **kw))
+    base = full_size_header_only(tmp_path / "small" / "transformer", tiny_transformer_config())
+
+    def config(preset: str) -> dict:
+        return run_config(tmp_path / "RUN", tmp_path / "RUN" / "dataset.jsonl", preset, str(base), "", 10, 5, "a photo")
+
+    first = fit(config("48gb+"), "48gb+", 16, suggest=config)
+    assert first.fits and len(planned) == 1
+    assert fit(config("48gb+"), "48gb+", 16, suggest=config) is first and len(planned) == 1
+    weights = base / "diffusion_pytorch_model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    again = fit(config("48gb+"), "48gb+", 16, suggest=config)
+    assert again is not first and again.text == first.text and len(planned) == 2
+    fit(config("24gb"), "24gb", 16, suggest=config)
+    assert len(planned) == 3
 
 
 def test_browser_captions_plans_trains_stops_resumes_and_uses_the_lora(app_server, tmp_path):
