@@ -87,6 +87,8 @@ class Trainer:
         self.lora = config.training.method == "lora"
         # Further scalars of the last step for metrics.jsonl (post-training's rewards, margins ...).
         self.extra_metrics: dict[str, float] = {}
+        # The input iterator when setup opened it early (its workers forked before the model loaded).
+        self.early_inputs = None
 
     # ---------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -117,6 +119,13 @@ class Trainer:
         )
         text_encoder = SimpleNamespace(config=self.pipe.text_encoder.config)  # its width, checked once the transformer is there
         release_encoders(self.pipe, keep=bool(config.validation.prompts))
+        # The data-loader workers fork now, while this process is small: forked later, they would
+        # share the base's and the LoRA's pages, and every page this process rewrites afterwards (the
+        # LoRA weights at each optimizer step, reused heap) would be held twice (measured at full
+        # size on the CPU: +0.5 GiB over the trainer's own peak). The data position comes from the
+        # checkpoint's train_state.json; _restore checks it against the state it loads.
+        self.start_step = self._resume_position() if self.resume else 0
+        self.early_inputs = iter(self.step_inputs())
         if self.lora:
             transformer = load_transformer(config.model)
             check_text_width(transformer, text_encoder, config.model.text_encoder or config.model.pretrained_model_name_or_path)
@@ -128,7 +137,9 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, config.optimizer)
         self.lr_scheduler = make_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.max_steps)
-        self.start_step = self._restore() if self.resume else 0
+        restored = self._restore() if self.resume else 0
+        if restored != self.start_step:
+            raise RuntimeError(f"the checkpoint's data position changed while loading: {self.start_step} -> {restored}")
         if runtime.is_main:
             logger.info("training %d parameters on %d samples, %d process(es), strategy %s, %d forward(s) of %d per step",
                         trainable_parameter_count(unwrap(self.model)), len(self.samples), runtime.world_size,
@@ -178,6 +189,11 @@ class Trainer:
 
     def _expected_state(self) -> dict:
         return _json_roundtrip({"fingerprint": config_fingerprint(self.config), "global_batch": self.global_batch.to_dict()})
+
+    def _resume_position(self) -> int:
+        """The step a resumed run starts from (its data position), read before any model loads."""
+        latest = ckpt.latest_checkpoint(self.checkpointer.folder)
+        return 0 if latest is None else int(ckpt.read_train_state(latest)["data"]["next_step"])
 
     def _restore(self) -> int:
         latest = ckpt.latest_checkpoint(self.checkpointer.folder)
@@ -328,7 +344,8 @@ class Trainer:
         result = TrainResult(self.out, self.start_step)
         every = config.checkpointing.every_n_steps
         step = self.start_step
-        items = iter(self.step_inputs())
+        items = self.early_inputs if self.early_inputs is not None else iter(self.step_inputs())
+        self.early_inputs = None
         try:
             while step < config.training.max_steps:
                 loss, grad_norm = self.train_step(step, items)

@@ -191,6 +191,38 @@ def test_logs_samples_and_checkpoints(trained):
     assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step-200"]  # keep_last=1
 
 
+def test_loader_workers_fork_before_the_transformer_loads(tmp_path, monkeypatch):
+    """Forked after the base loads, the workers would share its pages and the LoRA's, and each page
+    the trainer rewrites later (the LoRA weights at every step) would be held twice: +0.5 GiB at
+    full size on the CPU. They fork once the features are cached, before the transformer loads,
+    from the resumed step's position, which the loaded checkpoint then confirms."""
+    import psutil
+
+    import finetune.model
+
+    seen = []
+    load = finetune.model.load_transformer
+
+    def watched(config):
+        seen.append(len(psutil.Process().children()))
+        return load(config)
+
+    monkeypatch.setattr(finetune.model, "load_transformer", watched)
+    raw = lora_config(tmp_path / "run", tmp_path / "cache", **{"training.max_steps": 4, "data.num_workers": 2,
+                                                                "checkpointing.every_n_steps": 2,
+                                                                "checkpointing.keep_last": 2})
+    raw.pop("validation")
+    result = Trainer(build_config(raw)).train()
+    assert seen == [2] and sorted(result.losses) == [1, 2, 3, 4]
+    import shutil
+
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-4")  # resume from step 2
+    resumed = Trainer(build_config(raw), resume=True)
+    resumed_result = resumed.train()
+    assert seen == [2, 2] and resumed.start_step == 2 and sorted(resumed_result.losses) == [3, 4]
+    assert [resumed_result.losses[s] for s in (3, 4)] == [result.losses[s] for s in (3, 4)]
+
+
 def test_nonfinite_loss_stops_naming_step_and_batch(tmp_path, monkeypatch):
     import finetune.trainer as trainer_module
 
