@@ -216,7 +216,9 @@ def host_plan(config: TrainConfig, plan: MemoryPlan, on_gpu: bool) -> HostPlan:
                 host.add(label, size)
         training = sum(size for label, size in rows if not label.startswith("frozen"))
         label = "training tensors"
-        if quantization in ("int8", "nf4"):  # bitsandbytes' CPU kernels dequantize a whole matrix per call
+        # bitsandbytes' NF4 CPU kernels dequantize a whole matrix per call; int8 trains in row
+        # chunks (quantization.bnb_int8), as fp8 computes
+        if quantization == "nf4":
             training += dequantized_weight_bytes(transformer_config)
             label += " (and one dequantized weight)"
         host.add(f"{label}, or the load's one block + quantizer temporaries (the larger)", max(training, loading))

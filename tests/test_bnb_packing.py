@@ -67,3 +67,35 @@ def test_layers_compute_as_bitsandbytes_quantized_them(mode):
     assert torch.equal(ours[0].weight.data, layer.weight.data)
     with torch.no_grad():
         assert torch.equal(ours(x), layer(x))
+
+
+def test_int8_training_on_the_cpu_computes_in_row_chunks_as_bitsandbytes_whole_matrix(monkeypatch):
+    """A training forward on the CPU goes through row chunks (12 here, a short last one), not
+    bitsandbytes' whole-matrix float32 dequantization; output, input gradient and the LoRA-style
+    use (grad through a frozen base) equal bitsandbytes' own training path (MatMul8bitFp) in
+    float64 to rounding (every weight element is the same expression; only the sums are split)."""
+    from bitsandbytes.autograd import _functions as bnb_autograd
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 45))
+    quantize_linears_(model, "int8")
+    layer = model[0].train()
+    x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    reference_x = x.detach().clone().requires_grad_(True)
+    reference = bnb.nn.Linear8bitLt.forward(layer, reference_x)  # bitsandbytes' path, whole matrix
+    grad = torch.randn_like(reference)
+    reference.backward(grad)
+
+    monkeypatch.setattr(bnb_packing, "CHUNK_WEIGHTS", 16 * 4)  # 4 rows a chunk
+    whole = []
+    monkeypatch.setattr(bnb_autograd.MatMul8bitFp, "forward", lambda *a, **k: whole.append(1))
+    out = layer(x)
+    out.backward(grad)
+    assert not whole  # bitsandbytes' whole-matrix path did not run
+    torch.testing.assert_close(out, reference, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(x.grad, reference_x.grad, rtol=1e-13, atol=1e-13)
+    assert layer.weight.grad is None
+    with torch.no_grad():  # inference keeps bitsandbytes' kernels
+        layer.eval()
+        torch.testing.assert_close(layer(x.detach().float()), bnb.nn.Linear8bitLt.forward(layer, x.detach().float()),
+                                   rtol=0, atol=0)

@@ -78,8 +78,10 @@ def _replacement(bnb, linear: nn.Linear, mode: str, compute_dtype: torch.dtype) 
         else:
             new.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")
     else:
-        new = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=bias is not None,
-                                  has_fp16_weights=False, device="meta")
+        from .bnb_int8 import Int8Linear
+
+        new = Int8Linear(linear.in_features, linear.out_features, bias=bias is not None,
+                         has_fp16_weights=False, device="meta")
         if on_cpu:
             codes, scales = quantize_int8(weight)
             new.weight = bnb.nn.Int8Params(codes, requires_grad=False, has_fp16_weights=False, CB=codes, SCB=scales)

@@ -8,17 +8,20 @@ higher precision. The one runtime fp8 layer of the library, for both of its uses
   weights at 448 and flushes small rows toward the format's coarse low end; a per-row absolute-max
   scale uses the format's whole range for every row.
 
-``y = x @ (weight_fp8 * scale).T + bias``, the weight dequantized per call in the input's dtype.
-The matmul is an autograd function that saves the *packed* weight for the backward pass and
-re-expands it there, so training keeps one byte per frozen weight resident instead of the
-compute-dtype copy ``F.linear`` would save for every layer.
+``y = x @ (weight_fp8 * scale).T + bias``, the weight dequantized per call in the input's dtype
+(:mod:`.chunked_linear`: in output-row chunks on the CPU). Backward re-expands the *packed*
+weight, so training keeps one byte per frozen weight resident instead of the compute-dtype copy
+``F.linear`` would save for every layer.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from .chunked_linear import chunked_linear
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -72,54 +75,11 @@ def dequantize_weight(weight_fp8: torch.Tensor, scale: torch.Tensor, dtype: torc
     return (weight_fp8.to(torch.float32) * _scale_shape(scale, weight_fp8.shape[0]).to(weight_fp8.device)).to(dtype)
 
 
-def _row_chunks(weight_fp8: torch.Tensor, device: torch.device) -> list[slice]:
-    """Output-row slices of ~``CHUNK_WEIGHTS`` weights when computing on the CPU, else one slice.
-
-    On the CPU the whole dequantized matrix (and the float32 copy its conversion makes) is a fresh
-    mmap per call: ~0.75 GiB for the 12.8B model's MLP matrices, on top of the host plan, and the
-    kernel zeroing those pages took more CPU time than the matmuls at 128 px. Chunks of a few MiB
-    are reused from the heap. GPUs keep one dequantized matrix per call (their plan counts it).
-    """
-    from .bnb_packing import CHUNK_WEIGHTS
-
-    rows, cols = weight_fp8.shape
-    step = rows if device.type != "cpu" else max(1, CHUNK_WEIGHTS // max(1, cols))
-    return [slice(start, start + step) for start in range(0, rows, step)]
-
-
-def _chunk_weight(packed, scale, rows: slice, fp8_dtype, dtype, device) -> torch.Tensor:
+def _chunk_weight(packed, scale, fp8_dtype, rows: slice, dtype, device) -> torch.Tensor:
     """Rows ``rows`` of the dequantized weight, (len(rows), in) in ``dtype`` on ``device``."""
     part = packed[rows].to(device).view(fp8_dtype)
     scale = scale if scale.numel() == 1 else scale.reshape(-1, 1)[rows]
     return dequantize_weight(part, scale, dtype)
-
-
-class _Fp8Matmul(torch.autograd.Function):
-    """x (..., in) @ dequantized(weight).T + bias, saving the packed bytes (not the expanded weight)
-    for backward; on the CPU in output-row chunks (:func:`_row_chunks`)."""
-
-    @staticmethod
-    def forward(ctx, x, packed, scale, bias, fp8_dtype):
-        ctx.save_for_backward(packed, scale)
-        ctx.fp8_dtype = fp8_dtype
-        bias = None if bias is None else bias.to(device=x.device, dtype=x.dtype)
-        chunks = _row_chunks(packed, x.device)
-        parts = [F.linear(x, _chunk_weight(packed, scale, rows, fp8_dtype, x.dtype, x.device),
-                          None if bias is None else bias[rows]) for rows in chunks]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        packed, scale = ctx.saved_tensors
-        grad_x = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            # grad_x = grad_out @ W, summed over the row chunks of W (one term off the CPU)
-            for rows in _row_chunks(packed, grad_out.device):
-                term = grad_out[..., rows] @ _chunk_weight(packed, scale, rows, ctx.fp8_dtype, grad_out.dtype, grad_out.device)
-                grad_x = term if grad_x is None else grad_x.add_(term)
-        if ctx.needs_input_grad[3]:
-            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
-        return grad_x, None, None, grad_bias, None
 
 
 class Fp8Linear(nn.Linear):
@@ -167,7 +127,8 @@ class Fp8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) -> (..., out), in x's dtype."""
-        return _Fp8Matmul.apply(x, self.weight, self.weight_scale, self.bias, self.fp8_dtype)
+        rows = partial(_chunk_weight, self.weight, self.weight_scale, self.fp8_dtype)
+        return chunked_linear(x, rows, self.out_features, self.in_features, self.bias)
 
     def extra_repr(self) -> str:
         per = "row" if self.weight_scale.ndim else "tensor"

@@ -1,0 +1,55 @@
+"""``x @ W.T + bias`` over a frozen packed weight that is dequantized a slice of output rows at a
+time on the CPU: the one matmul of the fp8 layers and of the int8 layers while training on the CPU.
+
+A whole dequantized matrix is a fresh ~0.56-0.75 GiB float32 mmap per call for the 12.8B model's
+MLP matrices, beyond the host plan, and the kernel zeroing those pages took more CPU time than the
+matmuls at 128 px. Chunks of ~``CHUNK_WEIGHTS`` weights (a few MiB) are reused from the heap. On a
+GPU the whole matrix is one chunk (its plan counts it). Only the packed weight stays referenced for
+backward (through ``weight_rows``), never an expanded copy.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+WeightRows = Callable[[slice, torch.dtype, torch.device], torch.Tensor]
+"""``weight_rows(rows, dtype, device)``: rows ``rows`` of the dequantized weight, (len(rows), in)."""
+
+
+def row_chunks(out_features: int, in_features: int, device: torch.device) -> list[slice]:
+    """Output-row slices of ~``CHUNK_WEIGHTS`` weights on the CPU, else one slice."""
+    from .bnb_packing import CHUNK_WEIGHTS
+
+    step = out_features if device.type != "cpu" else max(1, CHUNK_WEIGHTS // max(1, in_features))
+    return [slice(start, start + step) for start in range(0, out_features, step)]
+
+
+class _ChunkedMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias, weight_rows, out_features, in_features):
+        ctx.weight_rows, ctx.shape = weight_rows, (out_features, in_features)
+        bias = None if bias is None else bias.to(device=x.device, dtype=x.dtype)
+        parts = [F.linear(x, weight_rows(rows, x.dtype, x.device), None if bias is None else bias[rows])
+                 for rows in row_chunks(out_features, in_features, x.device)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            # grad_x = grad_out @ W, summed over the row chunks of W (one term off the CPU)
+            for rows in row_chunks(*ctx.shape, grad_out.device):
+                term = grad_out[..., rows] @ ctx.weight_rows(rows, grad_out.dtype, grad_out.device)
+                grad_x = term if grad_x is None else grad_x.add_(term)
+        if ctx.needs_input_grad[1]:
+            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+        return grad_x, grad_bias, None, None, None
+
+
+def chunked_linear(x: torch.Tensor, weight_rows: WeightRows, out_features: int, in_features: int,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., in) -> (..., out) in x's dtype: ``x @ W.T + bias`` with W given by ``weight_rows``."""
+    return _ChunkedMatmul.apply(x, bias, weight_rows, out_features, in_features)
