@@ -200,11 +200,14 @@ def test_loader_workers_fork_before_the_transformer_loads(tmp_path, monkeypatch)
 
     import finetune.model
 
-    seen = []
+    seen, before = [], set()
     load = finetune.model.load_transformer
 
+    def children() -> set[int]:
+        return {p.pid for p in psutil.Process().children()}
+
     def watched(config):
-        seen.append(len(psutil.Process().children()))
+        seen.append(len(children() - before))  # new ones: other tests' servers are this process's children too
         return load(config)
 
     monkeypatch.setattr(finetune.model, "load_transformer", watched)
@@ -212,11 +215,13 @@ def test_loader_workers_fork_before_the_transformer_loads(tmp_path, monkeypatch)
                                                                 "checkpointing.every_n_steps": 2,
                                                                 "checkpointing.keep_last": 2})
     raw.pop("validation")
+    before.update(children())
     result = Trainer(build_config(raw)).train()
     assert seen == [2] and sorted(result.losses) == [1, 2, 3, 4]
     import shutil
 
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-4")  # resume from step 2
+    before.update(children())
     resumed = Trainer(build_config(raw), resume=True)
     resumed_result = resumed.train()
     assert seen == [2, 2] and resumed.start_step == 2 and sorted(resumed_result.losses) == [3, 4]
