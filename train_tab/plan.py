@@ -10,6 +10,7 @@ the base model's files (path, size, modification time), so "Start" after "Plan" 
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from .presets import TRAIN_PRESETS
 GIB = 1024**3
 KEPT_FITS = 8
 _fits: OrderedDict[str, "Fit"] = OrderedDict()
+_fits_lock = threading.Lock()  # the app serves requests on several threads
 
 
 @dataclass
@@ -58,13 +60,15 @@ def fit(raw_config: dict, preset: str, gpu_memory_gib: float | None, suggest=Non
     builds the other presets' configs, tried when this one does not fit."""
     key = json.dumps([raw_config, preset, gpu_memory_gib, suggest is not None,
                       _files_signature(raw_config["model"]["pretrained_model_name_or_path"])], sort_keys=True, default=str)
-    if key in _fits:
-        _fits.move_to_end(key)
-        return _fits[key]
+    with _fits_lock:
+        if key in _fits:
+            _fits.move_to_end(key)
+            return _fits[key]
     result = _planned_fit(raw_config, preset, gpu_memory_gib, suggest)
-    _fits[key] = result
-    while len(_fits) > KEPT_FITS:
-        _fits.popitem(last=False)
+    with _fits_lock:
+        _fits[key] = result
+        while len(_fits) > KEPT_FITS:
+            _fits.popitem(last=False)
     return result
 
 
