@@ -33,6 +33,13 @@ from launcher import ROOT, command
 TESTS = Path(__file__).resolve().parent
 MAX_STEPS = 2
 LEARNING_RATE = 1.0e-3
+# Adam's first step moves each weight by lr * g / (|g| + eps): with the default eps (1e-8), a
+# gradient component near eps turns the float reassociation of 1 vs 2 processes (~1e-7 relative)
+# into a weight difference of a good fraction of lr, and the step-2 metrics carry it (DPO's step-2
+# grad norm differed by 1.8e-4 relative on one machine, 0 on another). An eps of the order of the
+# gradient components keeps the update's slope in g at most lr / eps = 1, so the step-2 differences
+# stay at the reassociation level the rtol below is set for.
+ADAM_EPS = 1.0e-3
 TURBO = {"dpo", "grpo"}  # sample a Turbo with the adapter too (the distilled student is sampled as RAW)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -46,7 +53,7 @@ def _configs(tmp: Path, batch_size: int) -> dict[str, dict]:
         return {
             "output_dir": str(tmp / method), "method": method, "model": model,
             "training": {"method": "lora", "max_steps": MAX_STEPS, "batch_size": batch_size, "seed": 3},
-            "lora": {"rank": 4, "alpha": 4}, "optimizer": {"learning_rate": LEARNING_RATE, "max_grad_norm": 0.5},
+            "lora": {"rank": 4, "alpha": 4}, "optimizer": {"learning_rate": LEARNING_RATE, "max_grad_norm": 0.5, "eps": ADAM_EPS},
             "checkpointing": {"every_n_steps": 0, "keep_last": 1},
             "validation": {"prompts": ["red"], "num_inference_steps": 2, "turbo_num_inference_steps": 2, "guidance_scale": 2.0,
                            "height": 32, "width": 32},
