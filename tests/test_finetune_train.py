@@ -196,6 +196,8 @@ def test_loader_workers_fork_before_the_transformer_loads(tmp_path, monkeypatch)
     the trainer rewrites later (the LoRA weights at every step) would be held twice: +0.5 GiB at
     full size on the CPU. They fork once the features are cached, before the transformer loads,
     from the resumed step's position, which the loaded checkpoint then confirms."""
+    import shutil
+
     import psutil
 
     import finetune.model
@@ -218,8 +220,6 @@ def test_loader_workers_fork_before_the_transformer_loads(tmp_path, monkeypatch)
     before.update(children())
     result = Trainer(build_config(raw)).train()
     assert seen == [2] and sorted(result.losses) == [1, 2, 3, 4]
-    import shutil
-
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-4")  # resume from step 2
     before.update(children())
     resumed = Trainer(build_config(raw), resume=True)
