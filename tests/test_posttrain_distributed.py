@@ -1,6 +1,8 @@
-"""`krea2 posttrain` dpo / grpo / distill (LoRA) on 2 processes (torchrun, gloo, DDP) with validation
-and held-out metrics on: each exits 0, logs and exports what 1 process logs and exports with the
-same global batch, and writes its samples once.
+"""`krea2 posttrain` dpo / grpo / distill / draft (LoRA) on 2 processes (torchrun, gloo, DDP) with
+validation and held-out metrics on: each exits 0, logs and exports what 1 process logs and exports
+with the same global batch, and writes its samples and log lines once. DRaFT runs 2 accumulated
+micro-batches per step (draft_k 2 and 2 LV steps: several forwards per backward) and its 2-process
+run counts DDP's gradient all-reduces (tests/posttrain_allreduce_worker.py): one per optimizer step.
 
 Bound: the two runs differ only in where float32 sums are split (each process reduces its half of
 the global batch, one all-reduce adds the halves; the noise and timesteps are drawn for the global
@@ -15,6 +17,7 @@ exceeds. One process's contribution dropped or counted twice flips update signs:
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -41,6 +44,9 @@ LEARNING_RATE = 1.0e-3
 # the step-2 differences stay at the reassociation level the rtol below is set for.
 ADAM_EPS = 1.0e-3
 TURBO = {"dpo", "grpo"}  # sample a Turbo with the adapter too (the distilled student is sampled as RAW)
+DRAFT_MICRO_BATCHES = 2  # accumulated forwards per optimizer step: all but the last must skip DDP's all-reduce
+# The 2-process DRaFT run goes through a wrapper of the same CLI that records DDP's gradient all-reduces.
+ENTRIES = {"draft": [str(TESTS / "posttrain_allreduce_worker.py")]}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -67,6 +73,10 @@ def _configs(tmp: Path, batch_size: int) -> dict[str, dict]:
                                             "sde_steps": 2, "resolution": 32, "rewards": [{"function": "posttrain_rewards:brightness"}],
                                             "eval_every_n_steps": MAX_STEPS, "eval_seeds": 1, "pool": {"min_std": 0.0}}},
         "distill": {**common("distill"), "distill": {"prompts": ["a picture", "a landscape"], "student_steps": 2, "resolution": 32}},
+        "draft": {**common("draft"), "training": {**common("draft")["training"], "gradient_accumulation_steps": DRAFT_MICRO_BATCHES},
+                  "draft": {"prompts": ["a picture", "an image of a thing", "a third"], "num_inference_steps": 3, "draft_k": 2,
+                            "draft_lv": True, "lv_samples": 2, "resolution": 32,
+                            "rewards": [{"function": "posttrain_rewards:redness"}], "eval_every_n_steps": MAX_STEPS, "eval_seeds": 1}},
     }
 
 
@@ -84,6 +94,11 @@ def _difference_atol(key: str, row: dict, rtol: float, config: dict) -> float:
         return rtol * config["dpo"].get("beta", 2500.0) / 2 * 2 * losses  # L and L_ref of both samples
     if key.endswith("vs_reference"):
         return rtol * 2 * losses
+    if key == "eval/reward_vs_base":  # reward minus the base's reward (= reward - vs_base): both carry rtol
+        reward = row["eval/reward_mean"]
+        return rtol * (abs(reward) + abs(reward - row[key]))
+    if key == "reward_std":  # off by at most the largest sample's error; of n = 4 samples none exceeds |mean| + sqrt(n) std
+        return rtol * (abs(row["reward_mean"]) + 2 * row[key])
     return 1e-6
 
 
@@ -91,7 +106,7 @@ def test_each_method_on_two_processes_equals_one_with_validation_and_exports(tmp
     two, one = _configs(tmp_path / "two", batch_size=1), _configs(tmp_path / "one", batch_size=2)
     jobs = {}
     for method, config in two.items():  # all three at once (their start-up overlaps), the 1-process runs meanwhile
-        argv, env = command(config, tmp_path / "two" / f"{method}-launch", 2, ["-m", "finetune.posttrain"])
+        argv, env = command(config, tmp_path / "two" / f"{method}-launch", 2, ENTRIES.get(method, ["-m", "finetune.posttrain"]))
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS)])
         jobs[method] = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     sys.path.insert(0, str(TESTS))
@@ -105,7 +120,14 @@ def test_each_method_on_two_processes_equals_one_with_validation_and_exports(tmp
                 job.kill()
     for method, job in jobs.items():
         assert job.returncode == 0, f"{method}:\n{logs[method][-4000:]}"
-        assert "2 process(es)" in logs[method]
+        assert logs[method].count("2 process(es)") == 1, logs[method][-4000:]  # the main process logs, once
+
+    # Every bucket of DDP's gradients all-reduced exactly once per optimizer step, on both processes
+    # (before the fix each of the DRAFT_MICRO_BATCHES forwards armed its backward's all-reduce).
+    probes = [json.loads((tmp_path / "two" / "draft-launch" / f"allreduce-{rank}.json").read_text()) for rank in (0, 1)]
+    assert probes[0] == probes[1] and len(probes[0]) == MAX_STEPS, probes
+    for buckets in probes[0]:
+        assert buckets == list(range(len(buckets))) and buckets, probes
 
     for method in two:
         out_two, out_one = Path(two[method]["output_dir"]), Path(one[method]["output_dir"])

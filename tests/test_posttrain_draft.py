@@ -4,8 +4,9 @@ The learning claim is measured outside the trainer: the exported LoRA is loaded 
 Krea2Pipeline and guidance-free images are generated from fixed seeds. The other tests pin the
 method's rules: under bf16 autocast a zero LoRA samples exactly what the base samples (every
 forward under one precision policy), only the last ``draft_k`` steps' conditional branch (and the
-LV step) run with gradients, and a reward without a gradient path / of the wrong length / NaN
-stops the step naming the function.
+``lv_samples`` LV steps, each from its own noise) run with gradients, and a reward without a
+gradient path / of the wrong length / NaN stops the step naming the function. Several processes:
+tests/test_posttrain_distributed.py.
 """
 
 from __future__ import annotations
@@ -109,8 +110,8 @@ def test_under_bf16_a_zero_lora_samples_and_scores_exactly_like_the_base(bf16_tr
     base_latents, base_lv = trainer.sample(trainer.base, text, noise, lv_noise, grad=False)
     assert latents.requires_grad and lv.requires_grad
     assert torch.equal(latents.detach(), base_latents) and torch.equal(lv.detach(), base_lv)
-    rewards = [redness(trainer.decode(x), None, None) for x in (latents, lv, base_latents, base_lv)]
-    assert torch.equal(rewards[0].detach(), rewards[2]) and torch.equal(rewards[1].detach(), rewards[3])
+    rewards = [redness(trainer.decode(x), None, None) for x in (latents, *lv, base_latents, *base_lv)]
+    assert all(torch.equal(a.detach(), b) for a, b in zip(rewards[:3], rewards[3:]))
     assert trainer.evaluate()["eval/reward_vs_base"] == 0.0
     # The guard is real: the base sampled outside the autocast differs.
     # (The reference holds the run's precision context itself: both are switched off.)
@@ -122,7 +123,7 @@ def test_under_bf16_a_zero_lora_samples_and_scores_exactly_like_the_base(bf16_tr
     assert not torch.equal(fp32_latents, base_latents)
 
 
-def test_only_the_last_k_conditional_forwards_and_the_lv_step_carry_gradients(bf16_trainer):
+def test_only_the_last_k_conditional_forwards_and_the_lv_steps_carry_gradients(bf16_trainer):
     trainer = bf16_trainer
     prompt_ids, noise, lv_noise = trainer.draft_inputs(0)
     text = trainer.conditioning(prompt_ids)
@@ -134,16 +135,57 @@ def test_only_the_last_k_conditional_forwards_and_the_lv_step_carry_gradients(bf
         return trainer.model(**inputs)
 
     latents, lv = trainer.sample(recording, text, noise, lv_noise)
-    # 6 steps + the LV step, each a conditional and an unconditional forward (guidance 1.0).
-    assert [b for b, _ in calls] == ["cond", "uncond"] * 7
-    assert [g for b, g in calls if b == "cond"] == [False] * 4 + [True] * 3
+    # 6 steps + the lv_samples (default 2) LV steps, each a conditional and an unconditional forward (guidance 1.0).
+    assert [b for b, _ in calls] == ["cond", "uncond"] * 8
+    assert [g for b, g in calls if b == "cond"] == [False] * 4 + [True] * 4
     assert not any(g for b, g in calls if b == "uncond")
-    loss = -(redness(trainer.decode(latents), None, None) + redness(trainer.decode(lv), None, None)).mean()
+    loss = -sum(redness(trainer.decode(x), None, None) for x in (latents, *lv)).mean()
     loss.backward()
     grads = [p.grad for p in trainer.params]
     assert all(g is not None for g in grads) and sum(float(g.abs().sum()) for g in grads) > 0
     assert not any(p.grad is not None for p in trainer.pipe.vae.parameters())
     trainer.optimizer.zero_grad(set_to_none=True)
+
+
+def test_lv_averages_lv_samples_renoised_last_steps_each_from_its_own_noise(bf16_trainer):
+    """DRaFT-LV's estimator (Clark et al. 2023: n = 2 by default): the loss is minus the mean reward
+    of the sample and its n re-noised last steps, each an Euler step from ``(1 - t) x0 + t eps_i``."""
+    from krea2_diffusers import sampling
+
+    trainer = bf16_trainer
+    assert trainer.config.draft.lv_samples == 2
+    prompt_ids, noise, lv_noise = trainer.draft_inputs(0)
+    assert lv_noise.shape == (2, *noise.shape) and not torch.equal(lv_noise[0], lv_noise[1])
+    text = trainer.conditioning(prompt_ids)
+    with torch.no_grad():
+        latents, lv = trainer.sample(trainer.base, text, noise, lv_noise, grad=False)
+        t, end = trainer.times[-2], trainer.times[-1]
+        for eps, sample in zip(lv_noise, lv):  # each LV sample, stepped here by hand from its own noise
+            start = sampling.noised(latents, eps, t)
+            with bf16_autocast():
+                by_hand = sampling.euler_step(start, trainer.step_velocity(trainer.base, start, t, text), t, end)
+            assert torch.equal(sample, by_hand)
+        assert not torch.equal(lv[0], lv[1])
+        loss, stats, _ = trainer.micro_batch_loss(0, 0)  # the training path: the zero LoRA is the base
+        rewards = [redness(trainer.decode(x), None, None) for x in (latents, *lv)]
+    # Each reward is the one the base path gives bit for bit (test above); the average's float32
+    # rounding is a few ulps of the rewards (3 terms, then a mean over 2 samples).
+    expected = -(rewards[0] + rewards[1] + rewards[2]).div(3).mean()
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(stats["reward_lv_mean"], (rewards[1] + rewards[2]) / 2, rtol=1e-6, atol=1e-7)
+    trainer.optimizer.zero_grad(set_to_none=True)
+
+
+def test_the_memory_plan_counts_draft_k_plus_lv_samples_forwards(tmp_path, no_model_loading):
+    from finetune.posttrain.draft import DraftTrainer
+
+    def forward_batch(**draft):
+        return DraftTrainer.model_copies(build_config(draft_config(tmp_path / "run", **draft), cls=PosttrainConfig)).forward_batch
+
+    # batch_size 2 prompts x (draft_k differentiable steps + lv_samples LV steps)
+    assert forward_batch(draft_k=2) == 2 * 2
+    assert forward_batch(draft_k=2, draft_lv=True) == 2 * (2 + 2)
+    assert forward_batch(draft_k=1, draft_lv=True, lv_samples=3) == 2 * (1 + 3)
 
 
 @pytest.mark.parametrize("name, message", [
@@ -173,7 +215,9 @@ def test_an_unimportable_reward_is_refused_before_any_model_loads(tmp_path, no_m
         trainer_for(config).setup()
     for bad, match in [({"draft_k": 7}, r"draft.draft_k must be in \[1, num_inference_steps=6\]"),
                        ({"draft_k": 0}, "draft.draft_k"), ({"guidance": -1.0}, "draft.guidance"),
-                       ({"rewards": []}, "draft.rewards is empty"), ({"rewards": [{"function": "nocolon"}]}, "package.module:function")]:
+                       ({"rewards": []}, "draft.rewards is empty"), ({"rewards": [{"function": "nocolon"}]}, "package.module:function"),
+                       ({"draft_lv": True, "lv_samples": 0}, r"draft.lv_samples must be at least 1 \(re-noised final steps per sample\), got 0"),
+                       ({"lv_samples": 3}, "draft.lv_samples=3 is used only by DRaFT-LV")]:
         with pytest.raises(ConfigError, match=match):
             build_config(draft_config(tmp_path / "run", **bad), cls=PosttrainConfig)
 

@@ -118,7 +118,7 @@ class DistillConfig(PromptSource):
     """Weight of TDM's distribution-matching term (DMD's score difference through the fake score).
     Default 0 (trajectory matching alone): the best our measurements support (POSTTRAIN.md: on the
     tiny teacher 0 gives SWD 0.0345, 0.1 0.0372, 1.0 no gain over the 4-step teacher's 0.0400); at 0
-    the fake score is neither called nor updated."""
+    there is no fake score (not built, planned, optimized or checkpointed)."""
     trajectory_weight: float = 1.0
     """Weight of TDM's trajectory-matching term: on each of the student's own states, its one step
     over the segment regresses onto the teacher's ``teacher_steps / student_steps`` guided Euler
@@ -134,8 +134,12 @@ class DraftConfig(PromptSource):
     draft_k: int = 1
     """Gradients flow through the last ``draft_k`` sampling steps (and the VAE decode)."""
     draft_lv: bool = False
-    """DRaFT-LV: also re-noise the final latent at the last step's time, take one more
-    differentiable step from there, and average the two samples' rewards."""
+    """DRaFT-LV: also re-noise the final latent at the last step's time ``lv_samples`` times
+    (each with its own noise), take one more differentiable step from each, and average the
+    rewards of the sample and its re-noised steps."""
+    lv_samples: int = 2
+    """DRaFT-LV's ``n``: re-noised final steps per sample (only with ``draft_lv``). The paper
+    (Clark et al. 2023, Sec. 4 "DRaFT-LV" and Algorithm 1) uses n = 2."""
     guidance: float = 0.0
     """CFG while sampling (Krea convention, 0 = off); only the conditional branch carries gradients."""
     resolution: int = 1024
@@ -212,6 +216,11 @@ class PosttrainConfig(TrainConfig):
                                   f"got {section.draft_k}")
             if section.guidance < 0:
                 raise ConfigError(f"draft.guidance must be >= 0 (Krea convention, 0 = off), got {section.guidance}")
+            if section.lv_samples < 1:
+                raise ConfigError(f"draft.lv_samples must be at least 1 (re-noised final steps per sample), got {section.lv_samples}")
+            if not section.draft_lv and section.lv_samples != DraftConfig.lv_samples:
+                raise ConfigError(f"draft.lv_samples={section.lv_samples} is used only by DRaFT-LV: set draft.draft_lv: true "
+                                  "(or drop draft.lv_samples)")
             if section.eval_every_n_steps < 0 or section.eval_seeds < 1:
                 raise ConfigError("draft.eval_every_n_steps must be >= 0 and draft.eval_seeds >= 1")
 

@@ -10,21 +10,28 @@ them, then the decode with them. The rewards see the decoded images (B, 3, H, W)
 
     loss = -mean over samples of sum_r weight_r * reward_r(images)
 
-With ``draft_lv`` the final latent ``x0`` is also re-noised at the last step's time
-``t = times[-2]`` (``(1 - t) sg(x0) + t eps``) and one more differentiable Euler step is taken
-from there; the loss averages the two samples' rewards (DRaFT-LV's lower-variance estimate).
+With ``draft_lv`` the final latent ``x0`` is also re-noised ``lv_samples`` times at the last
+step's time ``t = times[-2]`` (``(1 - t) sg(x0) + t eps_i``, each ``eps_i`` its own noise) and one
+more differentiable Euler step is taken from each; the loss averages the rewards of the sample
+and its ``lv_samples`` re-noised steps. DRaFT-LV (Clark et al. 2023, Sec. 4 and Algorithm 1)
+averages n = 2 re-noised last steps, the default; it takes the sample's own chain without
+gradients, where here its DRaFT-K gradient (the last ``draft_k`` steps) joins the average.
 
 CFG (``guidance`` > 0, Krea convention): only the conditional branch carries gradients; the
 unconditional one runs under ``no_grad`` (its output is a constant of the backward).
 
 Memory: the transformer's blocks are checkpointed by the engine (``training.activation_checkpointing``)
-in each of the ``draft_k`` (+1) differentiable steps; the VAE decode is checkpointed as a whole
+in each of the ``draft_k`` (+ ``lv_samples``) differentiable steps; the VAE decode is checkpointed as a whole
 (only its input latent is kept, the decode is recomputed in the backward).
 
 Every transformer forward of a step, trained model and base alike, runs under the trained
 model's autocast (``runtime.autocast()``), so with the model equal to its base the two sample
 exactly the same images. ``eval/reward_vs_base`` (every ``eval_every_n_steps``) is the mean
 reward of the model's samples on fixed seeds minus the base weights' on the same seeds.
+
+Several processes: every micro-batch but the last of a step samples, scores and back-propagates
+inside ``no_sync`` (DDP decides at the forward whether the backward all-reduces), so one gradient
+all-reduce per optimizer step; the logged reward statistics are the global batch's (gathered).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from krea2_diffusers.latents import decode_latents, unpack_latents
 
 from ..engine.parallel import no_sync
 from ..trainer import NonFiniteLossError
+from .config import DraftConfig
 from .differentiable_rewards import score_images
 from .rewards import load_rewards
 from .rollout import initial_noise, schedule, text_fusion_frozen, text_inputs, velocity
@@ -52,9 +60,9 @@ EVAL_SEED_INDEX = -3
 class DraftTrainer(PosttrainTrainer):
     @classmethod
     def model_copies(cls, config):
-        """The activations of the ``draft_k`` differentiable steps (+1 for LV) are kept together."""
+        """The activations of the ``draft_k`` differentiable steps (+ ``lv_samples`` for LV) are kept together."""
         section = config.draft
-        return super().model_copies(config, forward_batch=config.training.batch_size * (section.draft_k + int(section.draft_lv)))
+        return super().model_copies(config, forward_batch=config.training.batch_size * (section.draft_k + lv_count(section)))
 
     def prepare_inputs(self) -> None:
         section = self.config.draft
@@ -102,8 +110,9 @@ class DraftTrainer(PosttrainTrainer):
     def sample(self, forward, text, noise: torch.Tensor, lv_noise: torch.Tensor | None = None,
                grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Euler samples (B, N, C) from ``noise`` (B, N, C); with ``grad`` the last ``draft_k``
-        steps keep their graph. With ``lv_noise`` also the LV sample: the final latent re-noised
-        at the last step's time and stepped once more (differentiably) to 0."""
+        steps keep their graph. With ``lv_noise`` (n, B, N, C) also the n LV samples (n, B, N, C):
+        the final latent re-noised at the last step's time with each ``lv_noise[i]`` and stepped
+        once more (differentiably) to 0."""
         times, k = self.times, self.config.draft.draft_k
         first_grad = len(times) - 1 - k
         latents, lv = noise, None
@@ -112,10 +121,10 @@ class DraftTrainer(PosttrainTrainer):
                 with torch.set_grad_enabled(grad and i >= first_grad):
                     latents = sampling.euler_step(latents, self.step_velocity(forward, latents, t, text), t, t_next)
             if lv_noise is not None:
-                t = times[-2]
-                start = sampling.noised(latents.detach(), lv_noise, t)
+                t, final = times[-2], latents.detach()
                 with torch.set_grad_enabled(grad):
-                    lv = sampling.euler_step(start, self.step_velocity(forward, start, t, text), t, times[-1])
+                    starts = [sampling.noised(final, eps, t) for eps in lv_noise]
+                    lv = torch.stack([sampling.euler_step(x, self.step_velocity(forward, x, t, text), t, times[-1]) for x in starts])
         return latents, lv
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -128,9 +137,9 @@ class DraftTrainer(PosttrainTrainer):
 
     # ---------------------------------------------------------------- one step
     def draft_inputs(self, index: int) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
-        """This process's prompt ids, initial noise (B, N, C) and LV noise (or None) of forward
-        ``index``, drawn for the run's whole global batch (the same after a resume on any number
-        of processes)."""
+        """This process's prompt ids, initial noise (B, N, C) and LV noise (lv_samples, B, N, C)
+        (or None) of forward ``index``, drawn for the run's whole global batch (the same after a
+        resume on any number of processes)."""
         runtime = self.runtime
         total = self.global_batch.micro_batch
         per_rank = total // runtime.world_size
@@ -139,47 +148,64 @@ class DraftTrainer(PosttrainTrainer):
         order = torch.randperm(len(self.prompts), generator=generator).tolist()
         global_ids = [order[i % len(order)] for i in range(total)]
         noise = initial_noise(total, self.pipe.transformer.config.in_channels, self.size, self.size, generator)
-        lv_noise = torch.randn(noise.shape, generator=generator)[mine].to(runtime.device) if self.config.draft.draft_lv else None
+        lv = lv_count(self.config.draft)
+        lv_noise = torch.randn((lv, *noise.shape), generator=generator)[:, mine].to(runtime.device) if lv else None
         return global_ids[mine], noise[mine].to(runtime.device), lv_noise
+
+    def micro_batch_loss(self, step: int, index: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str]]:
+        """Forward ``index`` of step ``step``: (loss (), this process's per-sample statistics
+        {logged key: (B,) values}, prompts). The loss is minus the mean total reward, with LV
+        averaged over the sample and its re-noised steps."""
+        prompt_ids, noise, lv_noise = self.draft_inputs(index)
+        text = self.conditioning(prompt_ids)
+        prompts = [self.prompts[i] for i in prompt_ids]
+        metadata = [{"prompt_index": i, "step": step + 1, "sample": j} for j, i in enumerate(prompt_ids)]
+        latents, lv = self.sample(self.model, text, noise, lv_noise)
+        reward, raw = score_images(self.rewards, self.decode(latents), prompts, metadata)
+        stats = {"reward_mean": reward.detach(), **{f"reward/{name}": values for name, values in raw.items()}}
+        if lv is not None:
+            # One decode and score at a time: each checkpointed decode is redone alone in the backward.
+            lv_rewards = [score_images(self.rewards, self.decode(x), prompts, metadata)[0] for x in lv]
+            stats["reward_lv_mean"] = torch.stack(lv_rewards).detach().mean(0)
+            reward = (reward + sum(lv_rewards)) / (1 + len(lv_rewards))
+        return -reward.mean(), stats, prompts
 
     def train_step(self, step: int, items=None) -> tuple[float, float]:
         runtime, section = self.runtime, self.config.draft
         accumulation = self.global_batch.accumulation
-        loss_value, stats = 0.0, {}
-
-        def add(key, value):
-            stats[key] = stats.get(key, 0.0) + value / accumulation
-
+        loss_value, columns = 0.0, {}
         for micro in range(accumulation):
-            index = step * accumulation + micro
-            prompt_ids, noise, lv_noise = self.draft_inputs(index)
-            text = self.conditioning(prompt_ids)
-            prompts = [self.prompts[i] for i in prompt_ids]
-            metadata = [{"prompt_index": i, "step": step + 1, "sample": j} for j, i in enumerate(prompt_ids)]
-            latents, lv = self.sample(self.model, text, noise, lv_noise)
-            reward, raw = score_images(self.rewards, self.decode(latents), prompts, metadata)
-            add("reward_mean", float(runtime.mean(reward.detach().mean())))
-            add("reward_std", float(reward.detach().std(unbiased=False)))
-            for name, values in raw.items():
-                add(f"reward/{name}", float(runtime.mean(values.mean())))
-            if lv is not None:
-                lv_reward, _ = score_images(self.rewards, self.decode(lv), prompts, metadata)
-                add("reward_lv_mean", float(runtime.mean(lv_reward.detach().mean())))
-                reward = (reward + lv_reward) / 2
-            loss = -reward.mean()
-            value = float(runtime.mean(loss))
-            if not math.isfinite(value):
-                raise NonFiniteLossError(f"DRaFT loss is {value} at step {step + 1} on prompts {sorted(set(prompts))}; "
-                                         f"the last checkpoint is kept in {self.checkpointer.folder}")
+            # DDP decides at each forward whether the next backward all-reduces: the sampling,
+            # scoring and backward of every micro-batch but the last run inside no_sync, so the
+            # step's gradients are all-reduced once.
             with no_sync(self.model, runtime, sync=micro == accumulation - 1):
+                loss, stats, prompts = self.micro_batch_loss(step, step * accumulation + micro)
+                value = float(runtime.mean(loss))
+                if not math.isfinite(value):
+                    raise NonFiniteLossError(f"DRaFT loss is {value} at step {step + 1} on prompts {sorted(set(prompts))}; "
+                                             f"the last checkpoint is kept in {self.checkpointer.folder}")
                 (loss / accumulation).backward()
             loss_value += value / accumulation
+            for key, values in stats.items():
+                columns.setdefault(key, []).append(values)
         grad_norm = self.optimizer_step()
         self.lr_scheduler.step()
+        metrics = self.reward_statistics(columns)
         if self.eval_due(step, section.eval_every_n_steps):
-            stats.update(self.evaluate())
-        self.extra_metrics = stats
+            metrics.update(self.evaluate())
+        self.extra_metrics = metrics
         return loss_value, grad_norm
+
+    def reward_statistics(self, columns: dict[str, list[torch.Tensor]]) -> dict[str, float]:
+        """Each logged key's mean over the step's global batch (every micro-batch of every
+        process: one all-gather), and ``reward_std`` the spread of the total rewards over it,
+        so any number of processes logs what one process with the whole batch logs."""
+        keys = list(columns)
+        local = torch.stack([torch.cat(columns[key]).double() for key in keys], 1)  # (accumulation * B, keys)
+        every = self.runtime.gather(local)  # (world_size * accumulation * B, keys)
+        metrics = {key: float(every[:, i].mean()) for i, key in enumerate(keys)}
+        metrics["reward_std"] = float(every[:, keys.index("reward_mean")].std(unbiased=False))
+        return metrics
 
     @torch.no_grad()
     def eval_reward(self, forward) -> float:
@@ -205,3 +231,8 @@ class DraftTrainer(PosttrainTrainer):
         finally:
             self.model.train()
         return {"eval/reward_mean": reward, "eval/reward_vs_base": reward - self.base_eval_reward}
+
+
+def lv_count(section: DraftConfig) -> int:
+    """Re-noised final steps per sample: ``lv_samples`` with DRaFT-LV, else 0."""
+    return section.lv_samples if section.draft_lv else 0

@@ -19,7 +19,6 @@ import logging
 import math
 
 import torch
-import torch.distributed as dist
 
 from krea2_diffusers.conditioning.text import pad_conditioning
 
@@ -85,11 +84,7 @@ class GRPOTrainer(PosttrainTrainer):
 
     def _gather(self, values: torch.Tensor) -> torch.Tensor:
         """Every process's (n,) values, in rank order (the pool must agree everywhere)."""
-        if self.runtime.world_size == 1:
-            return values
-        parts = [torch.empty_like(values) for _ in range(self.runtime.world_size)]
-        dist.all_gather(parts, values.to(self.runtime.device) if dist.get_backend() == "nccl" else values)
-        return torch.cat([p.cpu() for p in parts])
+        return self.runtime.gather(values)
 
     def train_step(self, step: int, items=None) -> tuple[float, float]:
         runtime, section = self.runtime, self.config.grpo
