@@ -143,12 +143,15 @@ def test_lora_distillation_trains_two_adapters_and_exports_the_students(tmp_path
 
 
 def test_trajectory_only_distillation_leaves_the_fake_score_alone(tmp_path):
-    """``distribution_weight: 0``: no fake-score work at all; the trajectory term alone trains the student."""
+    """``distribution_weight: 0``: no fake-score work at all; the trajectory term alone trains the
+    student. ``metrics.jsonl``'s ``lr`` is the rate each step ran with: wsd decaying over the last
+    of 2 steps runs 1e-3 then 1e-3 / 2 (torchtitan's progress 1 / (1 + 1)), its floor 0 only after."""
     config = {
         "output_dir": str(tmp_path / "run"), "method": "distill",
         "model": {"pretrained_model_name_or_path": "tiny-random"},
         "training": {"method": "lora", "max_steps": 2, "batch_size": 2, "seed": 0},
         "lora": {"rank": 4, "alpha": 4}, "optimizer": {"learning_rate": 1.0e-3},
+        "lr_scheduler": {"name": "wsd", "decay_fraction": 0.5},
         "distill": {"prompts": PROMPTS, "student_steps": 4, "resolution": 32, "distribution_weight": 0.0},
         "export": {"formats": []}, "logging": {"progress_bar": False, "tensorboard": False},
     }
@@ -159,4 +162,94 @@ def test_trajectory_only_distillation_leaves_the_fake_score_alone(tmp_path):
     moved = {name: any(float(p.detach().abs().max()) > 0 for n, p in trainer.model.named_parameters() if f".lora_B.{name}." in n)
              for name in ("default", "fake")}
     assert moved == {"default": True, "fake": False}
-    assert all(row["fake_loss"] == 0 and row["trajectory_loss"] > 0 for row in read_metrics(trainer.out))
+    assert not any(".fake." in n for n, _ in trainer.model.named_parameters()), "no fake adapter at weight 0"
+    rows = read_metrics(trainer.out)
+    assert all(row["fake_loss"] == 0 and row["trajectory_loss"] > 0 for row in rows)
+    assert [row["lr"] for row in rows] == pytest.approx([1.0e-3, 0.5e-3])
+
+
+def _distill_config(out, method: str, distribution_weight: float, max_steps: int = 2) -> dict:
+    config = {
+        "output_dir": str(out), "method": "distill",
+        "model": {"pretrained_model_name_or_path": "tiny-random"},
+        "training": {"method": method, "max_steps": max_steps, "batch_size": 2, "seed": 0},
+        "optimizer": {"learning_rate": 1.0e-3},
+        "checkpointing": {"every_n_steps": 1, "keep_last": 2},
+        "distill": {"prompts": PROMPTS, "student_steps": 4, "resolution": 32, "distribution_weight": distribution_weight},
+        "export": {"formats": ["original"] if method == "full" else ["diffusers"]},
+        "logging": {"progress_bar": False, "tensorboard": False},
+    }
+    if method == "lora":
+        config["lora"] = {"rank": 4, "alpha": 4}
+    return config
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_the_fake_score_is_built_and_planned_only_with_a_distribution_term(tmp_path, method):
+    """``distribution_weight: 0`` (the default): one trained model (full: the student, no second
+    transformer; LoRA: the student's adapter, no ``fake`` one), and the dry-run plan counts what
+    the trainer really holds: its trained-weight row is 4 bytes (fp32) per trained parameter of
+    the set-up trainer, one model at weight 0, two above."""
+    from finetune.dryrun import build_plan
+    from finetune.posttrain.run import trainer_class, trainer_for
+
+    held = {}
+    for weight in (0.0, 0.5):
+        config = build_config(_distill_config(tmp_path / str(weight), method, weight), cls=PosttrainConfig)
+        copies = trainer_class(config).model_copies(config)
+        assert (copies.trained, copies.adapters) == ((1 if weight == 0 else 2, 1) if method == "full" else (1, 1 if weight == 0 else 2))
+        assert ("no fake score" in copies.what) == (weight == 0), copies.what  # the dry run's first line
+        trainer = trainer_for(config)
+        trainer.setup()
+        trained = [p for p in trainer.model.parameters() if p.requires_grad]
+        held[weight] = sum(p.numel() for p in trained)
+        rows = dict(build_plan(config, 1, copies, on_gpu=False)[0].rows)
+        label = "fp32 master weights" if method == "full" else "LoRA r4 weights"
+        (planned,) = [v for k, v in rows.items() if k.startswith(label)]
+        assert all(p.dtype == torch.float32 for p in trained) and planned == 4 * held[weight], (weight, rows)
+        assert len(trainer.optimizer.param_groups) == (1 if weight == 0 else 2)
+        names = [n for n, _ in trainer.model.named_parameters()]
+        if method == "full":
+            teacher = sum(p.numel() for p in trainer.reference.frozen.parameters())
+            assert held[weight] == (1 if weight == 0 else 2) * teacher
+            assert any(n.startswith("fake.") for n in names) == (weight > 0)
+        else:
+            assert any(".fake." in n for n in names) == (weight > 0)
+    assert held[0.5] == 2 * held[0.0]
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_resume_at_weight_0_from_a_checkpoint_holding_a_fake_score(tmp_path, monkeypatch, caplog, method):
+    """An older run (the fake score built even at ``distribution_weight: 0``, simulated by forcing
+    :func:`trains_fake_score`) checkpointed steps 1 and 2; its step-2 checkpoint is dropped and this
+    code resumes from step 1: the fake score's tensors are skipped (logged), the student's weights
+    and optimizer state load, and step 2 gives the old run's student bit for bit (at weight 0 the
+    fake score never touched the student's computation, and one process adds in the same order)."""
+    import logging
+    import shutil
+
+    from finetune.export.writer import model_tensors
+    from finetune.posttrain import tdm
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    config = build_config(_distill_config(out, method, 0.0), cls=PosttrainConfig)
+    with monkeypatch.context() as patch:
+        patch.setattr(tdm, "trains_fake_score", lambda config: True)
+        old = posttrain(config)
+    fake = (lambda n: n.startswith("fake.")) if method == "full" else (lambda n: ".fake." in n)
+    assert any(fake(n) for n in model_tensors(out / "checkpoints" / "step-1"))
+    exported = [p for p in old.exported if p.suffix == ".safetensors"]
+    before = {p.name: load_file(str(p)) for p in exported}
+    shutil.rmtree(out / "checkpoints" / "step-2")
+
+    with caplog.at_level(logging.INFO, logger="finetune"):
+        resumed = posttrain(config, resume=True)
+    assert resumed.final_step == 2 and resumed.exported
+    assert any("model tensor(s) this run does not have" in r.getMessage() and "fake" in r.getMessage() for r in caplog.records)
+    assert not any(fake(n) for n in model_tensors(out / "checkpoints" / "step-2"))
+    for path in exported:
+        after = load_file(str(path))
+        assert after.keys() == before[path.name].keys() and after
+        for key, value in after.items():
+            assert torch.equal(value, before[path.name][key]), key

@@ -91,8 +91,10 @@ def test_grpo_first_update_has_kl_and_clipped_fraction_exactly_zero_under_bf16(t
 
 
 def test_tdm_student_fake_score_and_teacher_agree_exactly_while_equal_under_bf16(tmp_path):
+    # distribution_weight > 0: the fake score (its adapter) exists only with DMD's term.
     config = _config(tmp_path / "run", "distill", "lora",
-                     {"prompts": PROMPTS, "student_steps": 2, "teacher_steps": 2, "resolution": 32, "teacher_guidance": 2.0})
+                     {"prompts": PROMPTS, "student_steps": 2, "teacher_steps": 2, "resolution": 32, "teacher_guidance": 2.0,
+                      "distribution_weight": 1.0})
     trainer = trainer_for(config)
     trainer.setup()
     embeds, mask = trainer.conditioning([0, 1])

@@ -183,6 +183,8 @@ def test_wsd_schedule_per_stage():
 
     stage = build_pretrain_config({"stages": [{"name": "a", "data": "p", "steps": 10,
                                                "lr_scheduler": {"warmup_steps": 2, "decay_fraction": 0.5}}]}).stages[0]
-    values = [lr_multiplier(k, stage.lr_scheduler, stage.steps) for k in range(10)]
-    assert values == pytest.approx([0.5, 1, 1, 1, 1, 0.8, 0.6, 0.4, 0.2, 0.0])
-    assert values[4] == 1.0 and values[-1] == 0.0  # the stage's last step is on the floor
+    values = [lr_multiplier(k, stage.lr_scheduler, stage.steps) for k in range(11)]
+    # 5 decay steps at 1 - i / 6 (torchtitan's progress, finetune/optim.py): the stage's last update
+    # still moves (1/6), the floor 0 is where the stage ends (step 10, after its last update).
+    assert values == pytest.approx([0.5, 1, 1, 1, 1, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6, 0.0])
+    assert values[4] == 1.0 and values[9] > 0 and values[10] == 0.0

@@ -189,6 +189,7 @@ class Checkpointer:
         ones keep their fresh generators (nothing they draw depends on it: noise comes from the step).
         """
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         state = read_train_state(path)
@@ -203,7 +204,14 @@ class Checkpointer:
         has_rng = self.runtime.rank < state["world_size"]
         if has_rng:
             payload["rng"] = {f"rank{self.runtime.rank}": rng_state(self.runtime.device)}
-        dcp.load(payload, checkpoint_id=str(path), process_group=self._group)
+        planner = DefaultLoadPlanner()
+        dcp.load(payload, checkpoint_id=str(path), process_group=self._group, planner=planner)
+        # DCP reads only what the run asks for: model tensors the checkpoint holds beyond that (an
+        # older distillation's fake score at distribution_weight 0) are skipped, said once here.
+        skipped = sorted(k for k in planner.metadata.state_dict_metadata if k.startswith("model.") and k not in planner.state_dict)
+        if skipped and self.runtime.is_main:
+            logger.info("%s holds %d model tensor(s) this run does not have, not loaded: %s", path, len(skipped),
+                        ", ".join(k.removeprefix("model.") for k in skipped[:3]) + (", ..." if len(skipped) > 3 else ""))
         options = _options(trainable_only)
         if not trainable_only:  # a LoRA run's adapters were loaded in place (trainable_state holds the model's tensors)
             set_model_state_dict(unwrap(model), payload["model"], options=options)

@@ -25,6 +25,10 @@ Full: the student and a fake-score copy are trained, the teacher is the frozen r
 three built sharded from the meta device, see :mod:`.reference`). LoRA: the
 student and the fake score are two adapters on the one frozen base, which is the teacher with
 the adapters switched off (no second or third copy of the weights: fits where a LoRA does).
+The fake score exists only with ``distribution_weight > 0`` (:func:`trains_fake_score`): at the
+default 0 nothing builds, plans, optimizes or checkpoints it (at 12.8B a whole float32 master copy
+with its gradients and AdamW state). A checkpoint of an older run that held one at weight 0
+resumes: the engine skips the tensors this run does not hold and logs their names.
 
 This is our reading of TDM (distribution and trajectory matching on the student's trajectory,
 segment-restricted times); we do not claim it reproduces Krea's Turbo recipe bit for bit.
@@ -58,15 +62,25 @@ ADAPTERS = {"student": ADAPTER_NAME, "fake": FAKE_ADAPTER}
 NORMALISER_FLOOR = 1e-6
 
 
+def trains_fake_score(config) -> bool:
+    """Whether a distillation run has a fake score: only its distribution term uses one."""
+    return config.distill.distribution_weight > 0
+
+
 class StudentAndFakeScore(nn.Module):
-    """One trained module holding the student and the fake-score transformer, so the engine's
-    checkpoints, optimizer and resume cover both. ``transformer_blocks`` lists both models'
+    """One trained module holding the student and (``distribution_weight > 0``) the fake-score
+    transformer, so the engine's checkpoints, optimizer and resume cover both; the student is
+    always ``student.`` in checkpoints and exports. ``transformer_blocks`` lists the models'
     blocks for per-block FSDP wrapping."""
 
-    def __init__(self, student: nn.Module, fake: nn.Module):
+    def __init__(self, student: nn.Module, fake: nn.Module | None):
         super().__init__()
         self.student = student
         self.fake = fake
+
+    @property
+    def parts(self) -> list[nn.Module]:
+        return [self.student] if self.fake is None else [self.student, self.fake]
 
     @property
     def config(self):
@@ -75,11 +89,11 @@ class StudentAndFakeScore(nn.Module):
 
     @property
     def transformer_blocks(self) -> list[nn.Module]:
-        return [*self.student.transformer_blocks, *self.fake.transformer_blocks]
+        return [block for part in self.parts for block in part.transformer_blocks]
 
     def enable_gradient_checkpointing(self) -> None:
-        self.student.enable_gradient_checkpointing()
-        self.fake.enable_gradient_checkpointing()
+        for part in self.parts:
+            part.enable_gradient_checkpointing()
 
     def forward(self, which: str, **inputs):
         return getattr(self, which)(**inputs)
@@ -108,19 +122,30 @@ def dmd_student_loss(x0_hat: torch.Tensor, x0_fake: torch.Tensor, x0_teacher: to
 
 
 class DistillTrainer(PosttrainTrainer):
-    partial_backward = True  # LoRA: the fake score's updates reach its adapter only, the student's update the student's
+    @property
+    def partial_backward(self) -> bool:
+        """LoRA with a fake score: its updates reach its adapter only, the student's update the student's."""
+        return trains_fake_score(self.config)
+
     @classmethod
     def model_copies(cls, config):
-        """Full: student + fake score trained (master + optimizer state each), teacher frozen.
-        LoRA: two adapters on the base, which is the teacher. The fake score's updates and the
-        student's each run their own backward, so one batch of activations is held at a time."""
+        """Full: student (+ fake score with ``distribution_weight > 0``) trained (master + optimizer
+        state each), teacher frozen. LoRA: one adapter per trained model on the base, which is the
+        teacher. The fake score's updates and the student's each run their own backward, so one
+        batch of activations is held at a time."""
         copies = super().model_copies(config)
+        fake = trains_fake_score(config)
+        models = 2 if fake else 1
+        note = "" if fake else " (no fake score: distribution_weight 0)"
         if config.training.method == "lora":
-            return replace(copies, adapters=2, what="distill: student + fake score adapters, teacher = base, adapters off")
-        return replace(copies, trained=2, frozen_name="teacher", what="distill: student + fake score trained, teacher frozen")
+            trained = "student + fake score adapters" if fake else "student adapter"
+            return replace(copies, adapters=models, what=f"distill: {trained}, teacher = base, adapters off{note}")
+        trained = "student + fake score" if fake else "student"
+        return replace(copies, trained=models, frozen_name="teacher", what=f"distill: {trained} trained, teacher frozen{note}")
 
     def prepare_inputs(self) -> None:
         self.lora = self.config.training.method == "lora"
+        self.fake_score = trains_fake_score(self.config)
         self.prompts = self.config.prompt_list()
         section = self.config.distill
         self.size = section.resolution
@@ -133,18 +158,20 @@ class DistillTrainer(PosttrainTrainer):
         self.text = [(embeds[i:i + 1][:, mask[i]].cpu(), mask[i:i + 1][:, mask[i]].cpu()) for i in range(len(texts))]
 
     def trainable_module(self, transformer: nn.Module) -> nn.Module:
-        """LoRA: two adapters on the one base, the student's (``default``) and the fake score's;
-        the teacher is the base itself (adapters off)."""
-        params = add_lora(transformer, self.config.lora, adapter_names=(ADAPTERS["student"], FAKE_ADAPTER))
+        """LoRA: adapters on the one base, the student's (``default``) and, with a fake score, its
+        own (``fake``); the teacher is the base itself (adapters off)."""
+        names = (ADAPTERS["student"], FAKE_ADAPTER) if self.fake_score else (ADAPTERS["student"],)
+        params = add_lora(transformer, self.config.lora, adapter_names=names)
         transformer.set_adapter(ADAPTERS["student"])
         for param in params:
             param.requires_grad_(True)
         return transformer
 
     def assemble_full(self, make) -> nn.Module:
-        """Full: the student and the fake score, two transformers both filled from the teacher's
-        weights and sharded block by block like one model (the teacher is the frozen reference)."""
-        return StudentAndFakeScore(make(), make())
+        """Full: the student and (with a fake score) the fake score, transformers filled from the
+        teacher's weights and sharded block by block like one model (the teacher is the frozen
+        reference)."""
+        return StudentAndFakeScore(make(), make() if self.fake_score else None)
 
     def sampling_transformer(self, module: nn.Module) -> nn.Module:
         return module.student
@@ -156,6 +183,8 @@ class DistillTrainer(PosttrainTrainer):
         return {id(p) for p in inner.fake.parameters()}
 
     def param_groups(self) -> list:
+        if not self.fake_score:
+            return self.params
         fake_lr = self.config.distill.fake_learning_rate or self.config.optimizer.learning_rate
         fake = self._fake_parameter_ids()
         return [{"params": [p for p in self.params if id(p) not in fake]},
@@ -316,6 +345,6 @@ class DistillTrainer(PosttrainTrainer):
         ``krea2_original.safetensors``). LoRA: the student adapter (apply it to the teacher and
         pass ``is_distilled=True``)."""
         if self.lora:
-            return {"exclude_adapters": [FAKE_ADAPTER]}
+            return {"exclude_adapters": [FAKE_ADAPTER]} if self.fake_score else {}
         return {"model_prefix": "student.",
                 "metadata": {DISTILLED_METADATA_KEY: "true", STEPS_METADATA_KEY: str(self.config.distill.student_steps)}}
