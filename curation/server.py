@@ -20,6 +20,8 @@ import warnings
 from pathlib import Path
 from typing import Iterator
 
+from krea2_diffusers.processes import process_start_time
+
 logger = logging.getLogger(__name__)
 
 DATABASE = "curation"
@@ -34,18 +36,9 @@ class WarehouseError(RuntimeError):
     """The warehouse cannot be reached or used; the message names the server, database or row."""
 
 
-def _process_start(pid: int) -> float | None:
-    import psutil
-
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
-        return None
-
-
 def _alive(handle: list) -> bool:
     pid, started, _ = handle
-    return _process_start(pid) == started
+    return process_start_time(pid) == started
 
 
 @contextlib.contextmanager
@@ -108,7 +101,7 @@ class EmbeddedServer:
         pgserver = _pgserver()
         # pid + start time tell a live process from a dead one whose pid was reused; the token tells
         # apart several handles of one process (a test session and the commands it runs in-process).
-        me = [os.getpid(), _process_start(os.getpid()), uuid.uuid4().hex]
+        me = [os.getpid(), process_start_time(os.getpid()), uuid.uuid4().hex]
         with _locked(self.folder):
             self._server = pgserver.get_server(pgdata, cleanup_mode=None)
             handles = [h for h in _read_handles(self.folder) if h != me] + [me]

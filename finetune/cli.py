@@ -10,6 +10,8 @@ import argparse
 import logging
 import sys
 
+from .stop import STOPPED_CODE, StopRequest
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     return add_config_command(
@@ -63,8 +65,14 @@ def run(args: argparse.Namespace) -> int:
 
 def run_config_command(args: argparse.Namespace, name: str, load, train_fn, stop_errors: tuple, dry_run=None) -> int:
     """Load the config (with overrides), train, report; ``stop_errors`` end the run with exit code 3
-    (a problem found while training, the last checkpoint kept) instead of a traceback.
+    (a problem found while training, the last checkpoint kept) instead of a traceback; a stop
+    (SIGTERM / SIGINT, in any phase: :mod:`finetune.stop`) ends it with 130 before the last step, 0 after.
     ``dry_run(config)``: what ``--dry-run`` prints (default: train's plan, :func:`finetune.dryrun.dry_run`)."""
+    with StopRequest() as stop:  # first thing: from here on a stop is a stop, never a kill
+        return _run_config_command(args, name, load, train_fn, stop_errors, dry_run, stop)
+
+
+def _run_config_command(args, name, load, train_fn, stop_errors, dry_run, stop: StopRequest) -> int:
     overrides = list(args.overrides)
     if args.output_dir:
         overrides.append(f"output_dir={args.output_dir}")
@@ -75,6 +83,12 @@ def run_config_command(args: argparse.Namespace, name: str, load, train_fn, stop
             from .dryrun import dry_run
         dry_run(config)
         return 0
+    if stop.requested:  # while the command started: nothing was trained, nothing to save
+        print("stopped before training started", file=sys.stderr)
+        return STOPPED_CODE
+    from krea2_diffusers.cpu_threads import choose_cpu_threads
+
+    choose_cpu_threads(*filter(None, (config.model.pretrained_model_name_or_path, config.model.turbo_model_name_or_path)))
     try:
         result = train_fn(config, resume=args.resume)
     except stop_errors as err:  # not a usage error: its own exit code, no traceback
@@ -82,7 +96,7 @@ def run_config_command(args: argparse.Namespace, name: str, load, train_fn, stop
         return 3
     if result.interrupted:
         print(f"stopped at step {result.final_step}; continue with --resume", file=sys.stderr)
-        return 130
+        return STOPPED_CODE
     for path in result.exported:
         print(path)
     return 0

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,8 +26,9 @@ from .methods import add_lora, check_quantize, quantize_base, trainable_paramete
 from .objective import add_noise, flow_matching_loss
 from .optim import make_lr_scheduler, make_optimizer
 from .rundir import RunDirectoryError, check_output_dir, config_fingerprint
+from .stop import StopRequest
 
-__all__ = ["NonFiniteLossError", "RunDirectoryError", "TrainResult", "Trainer", "check_output_dir", "prepare_samples", "train"]
+__all__ = ["NonFiniteLossError", "RunDirectoryError", "StopRequest", "TrainResult", "Trainer", "check_output_dir", "prepare_samples", "train"]
 
 logger = logging.getLogger("finetune")
 
@@ -44,33 +44,6 @@ class TrainResult:
     losses: dict[int, float] = field(default_factory=dict)
     exported: list[Path] = field(default_factory=list)
     interrupted: bool = False
-
-
-class StopRequest:
-    """SIGTERM / SIGINT ask for a checkpoint and a clean exit after the current step; a second
-    SIGINT aborts at once."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: leave signals alone
-                pass
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested = True
-        logger.warning("signal %s: saving a checkpoint after this step, then stopping", signum)
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 def _json_roundtrip(value):
@@ -184,7 +157,7 @@ class Trainer:
         if config.training.offload_blocks > len(blocks):
             raise ConfigError(f"training.offload_blocks={config.training.offload_blocks} but the transformer has {len(blocks)} blocks")
         return wrap_model(transformer, blocks, self.runtime, activation_checkpointing=config.training.activation_checkpointing,
-                          compile=config.training.compile, mixed_precision=config.training.mixed_precision,
+                          compile=config.training.compile, mixed_precision=self.runtime.mixed_precision,
                           offloaded_blocks=config.training.offload_blocks)
 
     def _expected_state(self) -> dict:
@@ -328,8 +301,8 @@ class Trainer:
                              shuffle=self.config.data.shuffle)
 
     def train(self) -> TrainResult:
-        # Signals are caught from the start: a stop asked for while the run sets up (loading,
-        # caching) is honoured after the first step, with its checkpoint, instead of killing it.
+        # Signals are caught from the start (the command's entry point caught them earlier still):
+        # a stop asked for while the run sets up (loading, caching) ends it before its first step.
         with StopRequest() as stop:
             return self._train(stop)
 
@@ -347,19 +320,22 @@ class Trainer:
         items = self.early_inputs if self.early_inputs is not None else iter(self.step_inputs())
         self.early_inputs = None
         try:
-            while step < config.training.max_steps:
+            # Stopped while setting up: no step ran, there is nothing new to save.
+            result.interrupted = step < config.training.max_steps and runtime.any(stop.requested)
+            while not result.interrupted and step < config.training.max_steps:
+                lr = self.lr_scheduler.get_last_lr()[0]  # the rate this step runs with (the step moves the schedule on)
                 loss, grad_norm = self.train_step(step, items)
                 step += 1
                 result.losses[step] = loss
-                metrics.log(step, loss, self.lr_scheduler.get_last_lr()[0], grad_norm, self.extra_metrics)
-                stopping = runtime.any(stop.requested)
-                if stopping or (every > 0 and step % every == 0) or step == config.training.max_steps:
+                metrics.log(step, loss, lr, grad_norm, self.extra_metrics)
+                # After the last step a stop changes nothing: the run finishes its export, as done.
+                last = step == config.training.max_steps
+                stopping = runtime.any(stop.requested) and not last
+                if stopping or (every > 0 and step % every == 0) or last:
                     self.save(step)
                 if validator.due(step):
                     validator.run(self.model, step, metrics, self.lora_layers() if self.lora else None)
-                if stopping:
-                    result.interrupted = True
-                    break
+                result.interrupted = stopping
             self.checkpointer.wait()
             result.final_step = step
             if not result.interrupted:

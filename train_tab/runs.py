@@ -1,17 +1,26 @@
 """The runs folder: one folder per run, each with ``train.yaml`` (repeatable from the command line:
 ``krea2 train RUN/train.yaml --resume``), ``dataset.jsonl`` (the images and their captions),
-``train.log`` (the subprocess's output) and what ``krea2 train`` writes there itself
-(``metrics.jsonl``, ``samples/``, ``checkpoints/``, the exported ``lora_*.safetensors``).
+``train.log`` (the subprocess's output), ``lock.json`` (the process training it: pid and start
+time) and what ``krea2 train`` writes there itself (``metrics.jsonl``, ``samples/``,
+``checkpoints/``, the exported ``lora_*.safetensors``).
 
-Training runs as ``krea2 train`` in a subprocess, one at a time. Stop sends SIGTERM (the trainer
-saves a checkpoint and exits with 130); a stop asked for before the trainer has set its handler up
-(the first seconds, while Python imports) waits until the run folder's ``run.json`` appears.
-Status is read back from those files, so runs of an earlier session are listed too.
+Training runs as ``krea2 train`` in a subprocess (its own session: it outlives an app crash), one
+at a time per runs folder, whichever app started it: a start checks, creates and launches holding
+the folder's ``.runs.lock`` (a file lock, so a second app on the same folder waits its turn), and a
+run whose ``lock.json`` names a live process (same pid, same start time) is running, for this app
+or one started later. Stop sends SIGTERM: ``krea2 train`` starts with SIGTERM blocked and unblocks
+it once its handler listens (:mod:`finetune.stop`), so a stop in its first seconds is held, never
+fatal; it saves a checkpoint and exits with 130 (before its first step: no checkpoint; after its
+last step: it finishes its export and exits with 0). Status is read back from those files, so runs
+of an earlier session are listed too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import logging
 import os
 import re
 import shutil
@@ -21,19 +30,29 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import yaml
 
+from finetune.stop import STOPPED_CODE  # krea2 train: stopped by a signal (a checkpoint if a step ran)
 from krea2_diffusers.files import atomic_write
+from krea2_diffusers.processes import process_start_time
 
-from .images import TrainInputError
+from .errors import TrainInputError
 
 CONFIG_NAME = "train.yaml"
 MANIFEST_NAME = "dataset.jsonl"
 LOG_NAME = "train.log"
 EXIT_NAME = "exit.json"
-STOPPED_CODE = 130  # krea2 train: stopped by a signal, checkpoint written
+LOCK_NAME = "lock.json"  # {"pid", "started"}: the process training the run
+ROOT_LOCK_NAME = ".runs.lock"  # flock'ed while a start checks, creates and launches
 STATES = ("running", "stopped", "done", "failed")
+# A run id: one folder name, as run_id_for makes them (no separator, no dot: never outside the root).
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
+CLOSE_REPORT_EVERY_S = 30  # close(): how often it says it is still waiting for a checkpoint
+TRAIN_COMMAND = (sys.executable, "-m", "krea2_diffusers.cli", "train")
+
+logger = logging.getLogger(__name__)
 
 
 def run_id_for(trigger_word: str) -> str:
@@ -42,26 +61,43 @@ def run_id_for(trigger_word: str) -> str:
 
 
 class Runs:
-    """The runs under ``root``, and the one ``krea2 train`` process this app may have going."""
+    """The runs under ``root``, and the ``krea2 train`` processes this app started.
 
-    def __init__(self, root: str | Path):
+    ``train_command``: the command a run's config path and ``--resume`` are appended to (default
+    ``python -m krea2_diffusers.cli train``)."""
+
+    def __init__(self, root: str | Path, train_command: tuple[str, ...] = TRAIN_COMMAND):
         self.root = Path(root).expanduser().resolve()
+        self.train_command = tuple(train_command)
         self._processes: dict[str, subprocess.Popen] = {}
-        self._lock = threading.RLock()  # start() reads the state while holding it
+        self._stopping: set[str] = set()
+        self._lock = threading.RLock()  # this app's threads; the root's file lock is for other apps
 
     # ---------------------------------------------------------------- the folder
+    def path(self, run_id: str) -> Path:
+        """Where run ``run_id`` lives (or would): refused unless the id is one folder name of
+        letters, digits, '-' and '_' (the message repeats nothing of a refused id)."""
+        if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):
+            raise TrainInputError("Not a run id: a run id is one folder name of letters, digits, '-' and '_' "
+                                  "(pick one from the list of runs).")
+        return self.root / run_id
+
     def folder(self, run_id: str) -> Path:
-        folder = (self.root / str(run_id or "")).resolve()
-        if not run_id or folder.parent != self.root or not (folder / CONFIG_NAME).is_file():
+        folder = self.path(run_id)
+        if not (folder / CONFIG_NAME).is_file():
             raise TrainInputError(f"No run {run_id!r} in {self.root}.")
         return folder
 
-    def list(self) -> list[tuple[str, str]]:
-        """(run id, state), newest first."""
+    def ids(self) -> list[str]:
+        """The runs' ids, newest first."""
         if not self.root.is_dir():
             return []
-        ids = sorted((p.name for p in self.root.iterdir() if (p / CONFIG_NAME).is_file()), reverse=True)
-        return [(run_id, self.state(run_id)) for run_id in ids]
+        return sorted((p.name for p in self.root.iterdir() if RUN_ID.fullmatch(p.name) and (p / CONFIG_NAME).is_file()),
+                      reverse=True)
+
+    def list(self) -> list[tuple[str, str]]:
+        """(run id, state), newest first."""
+        return [(run_id, self.state(run_id)) for run_id in self.ids()]
 
     def create(self, raw_config_for, rows: list[list[str]], trigger_word: str, copy: bool = False) -> str:
         """A new run folder with its manifest and config; ``raw_config_for(run_dir, manifest)`` is
@@ -69,10 +105,13 @@ class Runs:
         ``copy``: the images are copied into ``images/`` (uploads: Gradio's temporary files go away)."""
         self.root.mkdir(parents=True, exist_ok=True)
         run_id = run_id_for(trigger_word)
-        while (self.root / run_id).exists():
-            run_id += "-1"
+        while True:
+            try:
+                (self.root / run_id).mkdir()  # atomic: two creates in the same second get two folders
+                break
+            except FileExistsError:
+                run_id += "-1"
         folder = self.root / run_id
-        folder.mkdir()
         manifest = folder / MANIFEST_NAME
         if copy:
             (folder / "images").mkdir()
@@ -88,28 +127,80 @@ class Runs:
         return run_id
 
     # ---------------------------------------------------------------- the process
-    def running(self) -> str | None:
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """One start at a time: this app's threads (the RLock) and other apps on this root (the file lock,
+        released when the file closes or its process dies)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with self._lock, open(self.root / ROOT_LOCK_NAME, "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            yield
+
+    def _holder(self, folder: Path) -> int | None:
+        """The pid ``lock.json`` names when that process still runs (same start time), else None (stale)."""
+        try:
+            lock = json.loads((folder / LOCK_NAME).read_text())
+            pid, started = int(lock["pid"]), float(lock["started"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return pid if process_start_time(pid) == started else None
+
+    def _own(self, run_id: str) -> subprocess.Popen | None:
         with self._lock:
-            return next((r for r, p in self._processes.items() if p.poll() is None), None)
+            return self._processes.get(run_id)
+
+    def running(self) -> str | None:
+        """The run being trained in this root (by this app or another), if any."""
+        with self._lock:
+            own = next((r for r, p in self._processes.items() if p.poll() is None), None)
+        if own is not None:
+            return own
+        return next((r for r in self.ids() if self._holder(self.root / r) is not None), None)
 
     def start(self, run_id: str, resume: bool = False, env: dict | None = None) -> None:
         """``krea2 train`` (``--resume``) on the run's config; ``env``: extra environment variables."""
+        with self._exclusive():
+            self._launch(run_id, resume, env)
+
+    def create_and_start(self, raw_config_for, rows: list[list[str]], trigger_word: str, copy: bool = False,
+                         env: dict | None = None) -> str:
+        """:meth:`create` then :meth:`start`, as one step: nothing is created while another run is going."""
+        with self._exclusive():
+            self._refuse_if_busy()
+            run_id = self.create(raw_config_for, rows, trigger_word, copy)
+            self._launch(run_id, False, env)
+        return run_id
+
+    def _refuse_if_busy(self) -> None:
+        busy = self.running()
+        if busy is not None:
+            raise TrainInputError(f"Run {busy} is still running: stop it before starting or resuming another.")
+
+    def _launch(self, run_id: str, resume: bool, env: dict | None) -> None:
+        """Under :meth:`_exclusive`: check, launch, write the run's lock."""
         folder = self.folder(run_id)
-        with self._lock:
-            busy = next((r for r, p in self._processes.items() if p.poll() is None), None)
-            if busy is not None:
-                raise TrainInputError(f"Run {busy} is still running: stop it before starting or resuming another.")
-            if resume and self.state(run_id) == "done":
-                raise TrainInputError(f"Run {run_id} has finished; there is nothing to resume.")
-            (folder / EXIT_NAME).unlink(missing_ok=True)
-            command = [sys.executable, "-m", "krea2_diffusers.cli", "train", str(folder / CONFIG_NAME)]
-            with open(folder / LOG_NAME, "a") as log:
-                log.write(f"$ krea2 train {folder / CONFIG_NAME}{' --resume' if resume else ''}\n")
-                log.flush()
-                process = subprocess.Popen(command + (["--resume"] if resume else []), cwd=folder, stdout=log,
-                                           stderr=subprocess.STDOUT, start_new_session=True,
-                                           env={**os.environ, **(env or {})})
-            self._processes[run_id] = process
+        self._refuse_if_busy()
+        if resume and self.state(run_id) == "done":
+            raise TrainInputError(f"Run {run_id} has finished; there is nothing to resume.")
+        (folder / EXIT_NAME).unlink(missing_ok=True)
+        command = [*self.train_command, str(folder / CONFIG_NAME)] + (["--resume"] if resume else [])
+        with open(folder / LOG_NAME, "a") as log:
+            log.write(f"$ krea2 train {folder / CONFIG_NAME}{' --resume' if resume else ''}\n")
+            log.flush()
+            # The child inherits this thread's signal mask: SIGTERM stays blocked (held, not lost)
+            # until krea2 train's handler listens, so a Stop at once never kills it mid-import.
+            previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            try:
+                process = subprocess.Popen(command, cwd=folder, stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True, env={**os.environ, **(env or {})})
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        started = process_start_time(process.pid)
+        if started is not None:  # None: it has already exited (its exit is recorded below)
+            with atomic_write(folder / LOCK_NAME, "w") as handle:
+                handle.write(json.dumps({"pid": process.pid, "started": started}))
+        self._processes[run_id] = process
+        self._stopping.discard(run_id)
         threading.Thread(target=self._record_exit, args=(folder, process), daemon=True).start()
 
     @staticmethod
@@ -117,42 +208,56 @@ class Runs:
         code = process.wait()
         with atomic_write(folder / EXIT_NAME, "w") as handle:
             handle.write(json.dumps({"returncode": code}))
+        (folder / LOCK_NAME).unlink(missing_ok=True)
 
     def stop(self, run_id: str) -> bool:
-        """SIGTERM to the run's process (now, or once its trainer is listening); False if it is not running."""
+        """SIGTERM to the run's process (once); False if it is not running. A run past its last
+        step is finishing its export: it is left to it (a signal would change nothing)."""
         folder = self.folder(run_id)
         with self._lock:
-            process = self._processes.get(run_id)
-        if process is None or process.poll() is not None:
+            process = self._own(run_id)
+            if process is not None:
+                if process.poll() is not None:
+                    return False
+                if run_id not in self._stopping and not self._past_last_step(run_id):
+                    self._stopping.add(run_id)
+                    process.send_signal(signal.SIGTERM)
+                return True
+        pid = self._holder(folder)  # started by another app, or by this one before a restart
+        if pid is None:
             return False
-        threading.Thread(target=self._terminate_when_ready, args=(folder, process), daemon=True).start()
+        if not self._past_last_step(run_id):
+            os.kill(pid, signal.SIGTERM)
         return True
 
-    @staticmethod
-    def _terminate_when_ready(folder: Path, process: subprocess.Popen) -> None:
-        while process.poll() is None and not (folder / "run.json").exists():
-            time.sleep(0.05)
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
+    def _past_last_step(self, run_id: str) -> bool:
+        rows = self.metrics(run_id)
+        return bool(rows) and rows[-1].get("step", 0) >= int(self.config(run_id)["training"]["max_steps"])
 
     def close(self) -> None:
-        """Stop every run this app started (each saves a checkpoint) and wait for them."""
+        """Stop every run this app started and wait for each to exit. A stopping trainer writes its
+        checkpoint first (a full-size step takes minutes): it is waited for, never killed."""
         with self._lock:
-            processes = [p for p in self._processes.values() if p.poll() is None]
-        for process in processes:
-            process.send_signal(signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            going = {r: p for r, p in self._processes.items() if p.poll() is None}
+        for run_id in going:
+            self.stop(run_id)
+        for run_id, process in going.items():
+            waited = 0
+            while True:
+                try:
+                    process.wait(timeout=CLOSE_REPORT_EVERY_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    waited += CLOSE_REPORT_EVERY_S
+                    logger.warning("waiting for run %s to save its checkpoint and exit (%d s so far)", run_id, waited)
 
     # ---------------------------------------------------------------- reading a run back
     def state(self, run_id: str) -> str:
-        folder = self.root / run_id
-        with self._lock:
-            process = self._processes.get(run_id)
+        folder = self.folder(run_id)
+        process = self._own(run_id)
         if process is not None and process.poll() is None:
+            return "running"
+        if process is None and self._holder(folder) is not None:
             return "running"
         exit_file = folder / EXIT_NAME
         if exit_file.is_file():

@@ -129,7 +129,7 @@ class PosttrainTrainer(Trainer):
             module = self.trainable_module(self.pipe.transformer)
             module.train()
             self.model = wrap_model(module, self.trained_blocks(module), runtime, activation_checkpointing=t.activation_checkpointing,
-                                    compile=t.compile, mixed_precision=t.mixed_precision, offloaded_blocks=t.offload_blocks,
+                                    compile=t.compile, mixed_precision=runtime.mixed_precision, offloaded_blocks=t.offload_blocks,
                                     find_unused_parameters=self.partial_backward)
             return
         from ..model import build_sharded_transformer

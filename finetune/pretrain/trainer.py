@@ -26,7 +26,8 @@ from ..metrics import MetricsLogger
 from ..objective import add_noise, flow_matching_loss
 from ..optim import lr_multiplier
 from ..rundir import RunDirectoryError, config_changes, config_fingerprint
-from ..trainer import NonFiniteLossError, StopRequest
+from ..stop import StopRequest
+from ..trainer import NonFiniteLossError
 from . import repa as repa_mod
 from .architecture import build_meta_transformer, check_fp8_available, convert_to_fp8_, materialize_
 from .batches import StageBatches, StepData, open_stage_pack
@@ -65,7 +66,7 @@ class Pretrainer:
         self.config = config
         self.resume = resume
         self.out = Path(config.output_dir)
-        self.runtime: PretrainRuntime = make_runtime()
+        self.runtime: PretrainRuntime = make_runtime(config.training.mixed_precision)
         self.ckpt_dir = self.out / "checkpoints"
         self.pma_writer = BackgroundPMA()
 
@@ -231,7 +232,9 @@ class Pretrainer:
         return row
 
     # ------------------------------------------------------------------ the loop
-    def _loader(self, start_step: int, stop_step: int):
+    def step_loader(self, start_step: int, stop_step: int):
+        """The loader of the set-up stage's steps ``start_step + 1 .. stop_step``, one item a step
+        (what ``train_step`` takes)."""
         data = StepData(self.config, self.stage_batches, self.runtime.rank, self.runtime.world_size)
         workers = self.config.training.num_workers
         return torch.utils.data.DataLoader(
@@ -253,6 +256,12 @@ class Pretrainer:
             self.pma_writer.start(list_checkpoints(self.ckpt_dir), self.out, step, pma.num_checkpoints)
 
     def train(self) -> PretrainResult:
+        # Signals are caught from the start (the command's entry point caught them earlier still):
+        # a stop asked for while the run prepares ends it before its first step.
+        with StopRequest() as stop:
+            return self._train(stop)
+
+    def _train(self, stop: StopRequest) -> PretrainResult:
         config, runtime = self.config, self.runtime
         self.prepare()
         latest = latest_checkpoint(self.ckpt_dir) if self.resume else None
@@ -263,30 +272,30 @@ class Pretrainer:
                                 config.logging.progress_bar, config.logging.log_every_n_steps)
         every = config.checkpointing.every_n_steps
         try:
-            with StopRequest() as stop:
-                while step < total:
-                    index, _ = config.stage_at(step + 1)
-                    stage = config.stages[index]
-                    stage_end = config.stage_start(index) + stage.steps
-                    self.setup_stage(index)
-                    last = time.perf_counter()
-                    for item in self._loader(step, stage_end):
-                        k = item["k"]
-                        lr = set_learning_rate(self.optimizers, lr_multiplier(k, stage.lr_scheduler, stage.steps))
-                        row = self.train_step(item)
-                        step += 1
-                        now = time.perf_counter()
-                        row["samples_per_s"] = row.pop("samples") / (now - last)
-                        last = now
-                        result.losses[step] = row["loss"]
-                        metrics.log(step, row.pop("loss"), lr, row.pop("grad_norm"), extra=row)
-                        stopping = runtime.any(stop.requested)
-                        if stopping or (every > 0 and step % every == 0) or step == stage_end:
-                            self.save(step, stage.name)
-                        if stopping:
-                            result.interrupted = True
-                            break
-                    if result.interrupted:
+            # Stopped while preparing: no step ran, there is nothing new to save.
+            result.interrupted = step < total and runtime.any(stop.requested)
+            while not result.interrupted and step < total:
+                index, _ = config.stage_at(step + 1)
+                stage = config.stages[index]
+                stage_end = config.stage_start(index) + stage.steps
+                self.setup_stage(index)
+                last = time.perf_counter()
+                for item in self.step_loader(step, stage_end):
+                    k = item["k"]
+                    lr = set_learning_rate(self.optimizers, lr_multiplier(k, stage.lr_scheduler, stage.steps))
+                    row = self.train_step(item)
+                    step += 1
+                    now = time.perf_counter()
+                    row["samples_per_s"] = row.pop("samples") / (now - last)
+                    last = now
+                    result.losses[step] = row["loss"]
+                    metrics.log(step, row.pop("loss"), lr, row.pop("grad_norm"), extra=row)
+                    # After the last step a stop changes nothing: the run ends as done.
+                    stopping = runtime.any(stop.requested) and step < total
+                    if stopping or (every > 0 and step % every == 0) or step == stage_end:
+                        self.save(step, stage.name)
+                    if stopping:
+                        result.interrupted = True
                         break
             result.final_step = step
         finally:
