@@ -18,7 +18,8 @@ TINY_RANDOM = "tiny-random"
 HUB_TEXT_ENCODER = "Qwen/Qwen3-VL-4B-Instruct"
 HUB_VAE = "Qwen/Qwen-Image"
 CHECKPOINT_SUFFIXES = (".safetensors", ".sft", ".gguf")
-DTYPES = ("bfloat16", "float16", "float32")
+# auto: the project's compute-dtype policy on ComfyUI's device (bf16 on CUDA and on CPUs with bf16 units).
+DTYPES = ("auto", "bfloat16", "float16", "float32")
 # Which release the transformer is: decides the sampler preset (Turbo: 8 steps, guidance off; RAW: 52, 3.5).
 VARIANTS = {"auto": None, "turbo": True, "raw": False}
 
@@ -111,8 +112,19 @@ class LoadSpec:
     variant: str = "auto"
     text_encoder: str = HUB_TEXT_ENCODER
     vae: str = HUB_VAE
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     memory: str = "auto"
+
+
+def weight_dtype(name: str) -> torch.dtype:
+    """The loader's ``dtype`` choice: a dtype name, or ``auto`` (the compute-dtype policy on ComfyUI's device)."""
+    if name != "auto":
+        return getattr(torch, name)
+    from krea2_diffusers.precision import choose_compute_dtype
+
+    chosen = choose_compute_dtype(comfy_bridge.torch_device())
+    logger.info("Krea 2 %s", chosen.describe())
+    return chosen.dtype
 
 
 def load_pipeline(spec: LoadSpec):
@@ -131,7 +143,7 @@ def load_pipeline(spec: LoadSpec):
             if path is not None or source not in (None, hub_id):
                 components[name] = TINY_RANDOM if source is None else str(source)
     comfy_bridge.make_room()
-    pipe = load(Krea2Pipeline, TINY_RANDOM if path is None else str(path), torch_dtype=getattr(torch, spec.dtype),
+    pipe = load(Krea2Pipeline, TINY_RANDOM if path is None else str(path), torch_dtype=weight_dtype(spec.dtype),
                 is_distilled=VARIANTS[spec.variant], **components)
     logger.info("Krea 2 %s: %s", spec.model, apply_memory_preset(pipe, spec.memory, device=comfy_bridge.torch_device()))
     return pipe

@@ -74,7 +74,9 @@ class Krea2ModelLoader:
                 "default": default_component("vae", HUB_VAE), "tooltip": (
                     "Qwen-Image VAE for single files and GGUF (diffusers folders bring their own): ComfyUI's "
                     "models/vae/qwen_image_vae.safetensors, a folder there, or the hub id.")}),
-            "dtype": (list(DTYPES), {"default": "bfloat16", "tooltip": "Weight dtype (GGUF files keep their quantization)."}),
+            "dtype": (list(DTYPES), {"default": "auto", "tooltip": (
+                "Weight dtype (GGUF files keep their quantization). auto: bfloat16 on a GPU and on CPUs with bf16 "
+                "units (AVX512-BF16 / AMX), float32 on other CPUs.")}),
             "memory": (memory_presets(), {"default": "auto", "tooltip": (
                 "auto: fit the GPU it finds (offloading / fp8 / NF4 as needed); high: everything on the GPU; "
                 "NNgb: fit a card of that size.")}),

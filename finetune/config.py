@@ -19,6 +19,11 @@ from typing import Any, ClassVar, Literal, Union
 import yaml
 
 
+# What YAML 1.1 (PyYAML) reads as true / false when unquoted.
+YAML_TRUE = ("yes", "on", "true")
+YAML_FALSE = ("no", "off", "false")
+
+
 class ConfigError(ValueError):
     """A configuration problem, reported before training starts."""
 
@@ -134,6 +139,8 @@ class LRSchedulerConfig:
     decay_fraction: float = 0.2
     """``wsd`` only: fraction of the run spent decaying to ``min_lr_ratio``."""
     min_lr_ratio: float = 0.0
+    """``cosine`` / ``wsd``: the rate where the schedule ends, after the last update (every update
+    runs above it; see :func:`finetune.optim.lr_multiplier`)."""
 
 
 @dataclass
@@ -155,7 +162,10 @@ class TrainingConfig:
     """Per process. The global batch is ``batch_size * gradient_accumulation_steps * world_size``."""
     gradient_accumulation_steps: int = 1
     seed: int = 0
-    mixed_precision: Literal["no", "bf16"] = "no"
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
+    """``auto``: bf16 autocast on CUDA and on CPUs with bf16 units (AVX512-BF16 / AMX), float32
+    elsewhere (:mod:`krea2_diffusers.precision`; ``KREA2_CPU_BF16=0|1`` overrides the CPU's
+    detection). ``bf16`` / ``no`` are obeyed. Trainable weights and optimizer state stay float32."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     """Per transformer block: ``full`` keeps only block inputs, ``selective`` also matmul/attention outputs."""
     compile: bool = False
@@ -333,6 +343,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 errors.append(str(err))
         raise ConfigError(errors[0] if errors else f"{where}: invalid value {value!r}")
     if origin is Literal:
+        if isinstance(value, bool) and value not in args:
+            # YAML 1.1 reads an unquoted no / off (yes / on) as false (true): `mixed_precision: no`
+            # means the choice spelled that way.
+            spelled = [a for a in args if isinstance(a, str) and a.lower() in (YAML_TRUE if value else YAML_FALSE)]
+            value = spelled[0] if len(spelled) == 1 else value
         if value not in args:
             hint = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
             more = f"; did you mean {hint[0]!r}?" if hint else ""

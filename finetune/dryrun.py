@@ -84,8 +84,13 @@ def _frozen_bytes(model: nn.Module, quantize: str) -> int:
     return total + tensor_bytes(p for p in model.parameters() if not p.requires_grad and id(p) not in counted)
 
 
-def build_plan(config: TrainConfig, world_size: int, copies: ModelCopies = ModelCopies()) -> tuple[MemoryPlan, str]:
-    """The plan for one process of a ``world_size``-process run, and a one-line description of the setup."""
+def build_plan(config: TrainConfig, world_size: int, copies: ModelCopies = ModelCopies(),
+               on_gpu: bool | None = None) -> tuple[MemoryPlan, str]:
+    """The plan for one process of a ``world_size``-process run, and a one-line description of the
+    setup. ``on_gpu`` (default: whether this machine has CUDA) decides what ``mixed_precision: auto``
+    computes in."""
+    from krea2_diffusers.precision import training_precision
+
     from .model import DTYPES, transformer_weights
 
     transformer_config, source = transformer_weights(config.model)
@@ -93,7 +98,9 @@ def build_plan(config: TrainConfig, world_size: int, copies: ModelCopies = Model
     training = config.training
     lora = training.method == "lora"
     stored = DTYPES[config.model.dtype]
-    compute = torch.bfloat16 if (training.mixed_precision == "bf16" or stored != torch.float32) else torch.float32
+    device = "cuda" if (torch.cuda.is_available() if on_gpu is None else on_gpu) else "cpu"
+    mixed = training_precision(training.mixed_precision, device, "training.mixed_precision").dtype
+    compute = torch.bfloat16 if (mixed == torch.bfloat16 or stored != torch.float32) else torch.float32
     with torch.device("meta"):
         model = Krea2Transformer2DModel(**transformer_config)
     plan = MemoryPlan()
@@ -177,7 +184,7 @@ def plan_text(config: TrainConfig, world_size: int = 1, copies: ModelCopies = Mo
     # A card given by the caller (the app's presets) is planned as a GPU even on a CPU machine.
     on_gpu = torch.cuda.is_available() or device is not None
     name, available = device or device_memory()
-    plan, what = build_plan(config, world_size, copies)
+    plan, what = build_plan(config, world_size, copies, on_gpu)
     host, ram = host_plan(config, plan, on_gpu), host_ram()
     short = (available is not None and plan.total > available) or host.total > ram
     fitting = _fitting_modes(config, world_size, copies, available if on_gpu else ram, on_gpu, plan) if short else []
@@ -244,7 +251,7 @@ def _fitting_modes(config: TrainConfig, world_size: int, copies: ModelCopies, av
             other.validate()  # e.g. LoKr/LoHa cannot train over nf4
         except ConfigError:
             continue
-        plan = own if mode == config.model.quantize else build_plan(other, world_size, copies)[0]
+        plan = own if mode == config.model.quantize else build_plan(other, world_size, copies, on_gpu)[0]
         total = plan.total if on_gpu else host_plan(other, plan, on_gpu).total
         if total <= available:
             fitting.append(f"model.quantize={mode}")

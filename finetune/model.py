@@ -117,7 +117,7 @@ def build_sharded_transformer(config: TrainConfig, runtime, *, trainable: bool =
     training = config.training
     prepare_blocks(blocks, training.activation_checkpointing if trainable else "none", training.compile)
     if runtime.strategy == "fsdp":
-        fully_shard_blocks(model, blocks, training.mixed_precision)
+        fully_shard_blocks(model, blocks, runtime.mixed_precision)
     model.to_empty(device=runtime.device)
     try:
         for copy in [m for m in model.modules() if isinstance(m, Krea2Transformer2DModel)]:

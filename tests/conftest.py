@@ -16,6 +16,11 @@ import torch
 from krea2_diffusers import Krea2Pipeline, Krea2Transformer2DModel
 from krea2_diffusers.models.tiny import randomize_
 
+# The compute-dtype policy (krea2_diffusers.precision) picks bf16 for `auto` on CPUs with bf16 units:
+# the suite runs the float32 answer on every machine (subprocesses inherit it), so its figures do
+# not depend on the CPU; the policy's and bf16 training's own tests set KREA2_CPU_BF16 themselves.
+os.environ.setdefault("KREA2_CPU_BF16", "0")
+
 
 def small_config(**overrides) -> dict:
     """A transformer config small enough for float64 parity tests, with GQA (4 query / 2 kv heads)."""
@@ -43,6 +48,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def session_threads():
+    """Entry points run in-process (``main([...])``) choose threads for their model
+    (krea2_diffusers.cpu_threads: tiny models single-threaded): each test starts from the session's count."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -21,6 +21,8 @@ class Runtime:
     rank: int
     world_size: int
     strategy: str  # "single", "ddp" or "fsdp"
+    mixed_precision: str = "no"
+    """The resolved ``training.mixed_precision`` (``auto`` chosen by the device): ``"bf16"`` or ``"no"``."""
 
     @property
     def is_main(self) -> bool:
@@ -55,6 +57,18 @@ class Runtime:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return dict(zip(values, (tensor / self.world_size).tolist()))
 
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """Every process's ``values`` (n, ...), the same shape everywhere, concatenated in rank order
+        (world_size * n, ...) on the CPU, detached: the global batch's samples, e.g. for statistics
+        a mean of per-process values cannot give (a standard deviation)."""
+        values = values.detach()
+        if self.world_size == 1:
+            return values.cpu()
+        values = values.to(self.device if dist.get_backend() == "nccl" else "cpu")
+        parts = [torch.empty_like(values) for _ in range(self.world_size)]
+        dist.all_gather(parts, values)
+        return torch.cat(parts).cpu()
+
     def any(self, flag: bool) -> bool:
         """True on every process when ``flag`` is true on any (e.g. a stop request)."""
         if self.world_size == 1:
@@ -65,24 +79,40 @@ class Runtime:
 
     def autocast(self):
         """The precision policy of every forward of a training step: the trained model's, its
-        frozen reference / teacher's, rollouts' and any auxiliary model's (``training.mixed_precision:
-        bf16``: bf16 autocast; ``no``: a no-op). Comparing two forwards made under different
+        frozen reference / teacher's, rollouts' and any auxiliary model's (``training.mixed_precision``
+        resolved to ``bf16``: bf16 autocast, on CUDA or the CPU, over float32 trainable weights and
+        optimizer state; ``no``: a no-op). Comparing two forwards made under different
         policies measures the policy, not the weights: enter this around each of them (the
         post-training ``Reference`` does so itself)."""
         return self.accelerator.autocast()
 
 
-def setup_runtime(config: TrainConfig) -> Runtime:
+def resolve_precision(mixed_precision: str, where: str = "training.mixed_precision"):
+    """The :class:`~krea2_diffusers.precision.ComputeDtype` a config's ``auto | no | bf16`` means on
+    this process's device (CUDA when available, else the CPU, as the Accelerator below picks)."""
+    from krea2_diffusers.precision import training_precision
+
+    return training_precision(mixed_precision, "cuda" if torch.cuda.is_available() else "cpu", where)
+
+
+def make_accelerator(mixed_precision: str, where: str = "training.mixed_precision"):
+    """(Accelerator, resolved ``"bf16" | "no"``). The main process prints the choice and why.
+    Accelerate's ``mixed_precision="bf16"`` with ``cpu=True`` is CPU bf16 autocast."""
     from accelerate import Accelerator
 
-    accelerator = Accelerator(
-        mixed_precision=config.training.mixed_precision,
-        cpu=not torch.cuda.is_available(),
-    )
+    chosen = resolve_precision(mixed_precision, where)
+    accelerator = Accelerator(mixed_precision=chosen.mixed_precision, cpu=not torch.cuda.is_available())
+    if accelerator.is_main_process:
+        print(chosen.describe(), flush=True)
+    return accelerator, chosen.mixed_precision
+
+
+def setup_runtime(config: TrainConfig) -> Runtime:
+    accelerator, mixed_precision = make_accelerator(config.training.mixed_precision)
     world = accelerator.num_processes
     strategy = config.parallel.strategy
     if strategy == "auto":
         strategy = "fsdp" if config.training.method == "full" else "ddp"
     if world == 1:
         strategy = "single"
-    return Runtime(accelerator, accelerator.device, accelerator.process_index, world, strategy)
+    return Runtime(accelerator, accelerator.device, accelerator.process_index, world, strategy, mixed_precision)

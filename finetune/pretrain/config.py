@@ -120,7 +120,8 @@ class StageConfig:
     resolution rule (mu linear in image tokens)."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     precision: Literal["bf16", "fp8"] = "bf16"
-    """bf16 autocast on CUDA (float32 on CPU); fp8: torchao float8 training (CUDA, sm >= 89)."""
+    """bf16: compute as ``training.mixed_precision`` resolves (``auto``: bf16 autocast on CUDA and on
+    CPUs with bf16 units, float32 elsewhere); fp8: torchao float8 training (CUDA, sm >= 89)."""
     fp8_scaling: Literal["tensorwise", "rowwise"] = "tensorwise"
     repa: RepaConfig | None = None
     lr_scheduler: StageLRConfig = field(default_factory=StageLRConfig)
@@ -133,6 +134,9 @@ class StageConfig:
 @dataclass
 class PretrainTrainingConfig:
     seed: int = 0
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
+    """``auto``: bf16 autocast on CUDA and on CPUs with bf16 units (AVX512-BF16 / AMX), float32
+    elsewhere (:mod:`krea2_diffusers.precision`); master weights and optimizer state stay float32."""
     compile: bool = False
     num_workers: int = 0
     """DataLoader worker processes decoding pack rows."""

@@ -49,6 +49,9 @@ def print_plan(config: PretrainConfig, world_size: int) -> None:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     check_fp8_available(config.stages, device)
+    from krea2_diffusers.precision import training_precision
+
+    compute = training_precision(config.training.mixed_precision, device, "training.mixed_precision").dtype
     model = build_meta_transformer(config.model)
     split = split_parameters(model, config.optimizer)
     print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters; {world_size} process(es)")
@@ -67,5 +70,5 @@ def print_plan(config: PretrainConfig, world_size: int) -> None:
               f"{batches.global_batch}, pack {stage.data} ({len(batches.reader)} rows, {batches.batches_per_epoch} "
               f"batches/epoch, {epochs:.2f} epochs), shift {stage.shift or 'resolution rule'}, activation checkpointing "
               f"{stage.activation_checkpointing}, {stage.precision}, {repa}")
-        print(stage_plan(config, stage, world_size, torch.bfloat16 if cuda else torch.float32).render(name, available))
+        print(stage_plan(config, stage, world_size, compute).render(name, available))
         start += stage.steps

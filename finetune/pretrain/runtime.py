@@ -1,5 +1,6 @@
 """The engine's per-process :class:`~finetune.engine.runtime.Runtime`, set up for pretraining:
-every run trains all weights, so several processes always mean FSDP2 with bf16 compute on CUDA."""
+every run trains all weights, so several processes always mean FSDP2 (bf16 compute where
+``training.mixed_precision`` resolves to bf16)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,11 @@ from ..engine.runtime import Runtime
 
 @dataclass
 class PretrainRuntime(Runtime):
-    mixed_precision: str = "no"
-
     @property
     def encoder_dtype(self) -> torch.dtype:
-        """Frozen text encoder / VAE / vision encoder: bf16 on CUDA, float32 on CPU."""
-        return torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        """Frozen text encoder / VAE / vision encoder: bf16 on CUDA; on the CPU the run's resolved
+        ``training.mixed_precision`` (``auto``: bf16 where the CPU has bf16 units)."""
+        return torch.bfloat16 if self.device.type == "cuda" or self.mixed_precision == "bf16" else torch.float32
 
     def mp_policy(self):
         from ..engine.parallel import mixed_precision_policy
@@ -27,12 +27,11 @@ class PretrainRuntime(Runtime):
         return mixed_precision_policy(self.mixed_precision)
 
 
-def make_runtime() -> PretrainRuntime:
-    from accelerate import Accelerator
+def make_runtime(mixed_precision: str = "auto") -> PretrainRuntime:
+    """``mixed_precision``: ``training.mixed_precision`` of the config (``auto | no | bf16``)."""
+    from ..engine.runtime import make_accelerator
 
-    cuda = torch.cuda.is_available()
-    mixed_precision = "bf16" if cuda else "no"
-    accelerator = Accelerator(mixed_precision=mixed_precision, cpu=not cuda)
+    accelerator, mixed_precision = make_accelerator(mixed_precision)
     world = accelerator.num_processes
     return PretrainRuntime(accelerator, accelerator.device, accelerator.process_index, world,
                            "fsdp" if world > 1 else "single", mixed_precision)

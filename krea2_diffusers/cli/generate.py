@@ -34,7 +34,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--num-images", type=int, default=1)
     p.add_argument("--output", default="outputs/krea2.png", help="PNG path; batches get -0, -1, ... suffixes")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="auto: bfloat16 on CUDA and on CPUs with bf16 units (AVX512-BF16 / AMX), else float32; "
+                        "KREA2_CPU_BF16=0|1 overrides the CPU detection")
     p.add_argument("--memory", default=None, choices=MEMORY_PRESETS,
                    help="fit a memory budget (prints what it chose); a quantized storage it picks is applied while loading")
     p.add_argument("--quantize", default=None, choices=("fp8", "int8", "nf4"),
@@ -67,11 +69,16 @@ def output_paths(output: str, count: int) -> list[Path]:
 
 
 def resolve_dtype(name: str, device: str):
+    """``--dtype``: ``auto`` is the project's compute-dtype policy for ``device`` (bf16 on CUDA and on
+    CPUs with bf16 units, else float32; :mod:`krea2_diffusers.precision`), a name is obeyed.
+    Returns the :class:`~krea2_diffusers.precision.ComputeDtype` (dtype and reason)."""
     import torch
 
+    from ..precision import ComputeDtype, choose_compute_dtype
+
     if name == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return getattr(torch, name)
+        return choose_compute_dtype(device)
+    return ComputeDtype(getattr(torch, name), f"--dtype {name}")
 
 
 def check_quantize_target(model: str, quantize: str | None) -> str | None:
@@ -139,7 +146,9 @@ def run(args) -> int:
     size = {} if args.init_image else dict(height=DEFAULT_SIZE, width=DEFAULT_SIZE)
     size.update({k: v for k, v in (("height", args.height), ("width", args.width)) if v is not None})
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = resolve_dtype(args.dtype, device)
+    chosen = resolve_dtype(args.dtype, device)
+    print(chosen.describe())
+    dtype = chosen.dtype
     quantization = check_quantize_target(args.model, args.quantize)
     if args.memory and quantization is None:
         from ..pipelines.memory import storage_for_file
@@ -147,6 +156,9 @@ def run(args) -> int:
         quantization = storage_for_file(args.model, args.memory, device, args.text_encoder, args.vae)
     if args.dry_run:
         return print_host_plan(args, quantization, dtype, size)
+    from ..cpu_threads import choose_cpu_threads
+
+    choose_cpu_threads(args.model)
     pipe = load_pipeline(Krea2Pipeline, args.model, text_encoder=args.text_encoder, vae=args.vae,
                          torch_dtype=dtype, is_distilled=args.is_distilled,
                          device=None if args.memory else device, quantization=quantization)

@@ -6,8 +6,9 @@ applies the plan and returns a sentence saying what it chose. The options, cheap
 
 1. everything resident on the accelerator;
 2. model CPU offload: one component (text encoder, transformer, VAE) on the accelerator at a time;
-3. + fp8 weight storage for the transformer's block matrices, bf16 compute (the project's one fp8
-   layer, per-row scaled :class:`~krea2_diffusers.quantization.fp8.Fp8Linear`);
+3. + fp8 weight storage for the transformer's block matrices, computed in the policy's dtype
+   (:func:`~krea2_diffusers.precision.compute_dtype`: bf16 on CUDA; the project's one fp8 layer,
+   per-row scaled :class:`~krea2_diffusers.quantization.fp8.Fp8Linear`);
 4. + bitsandbytes NF4 for the transformer, then also for the text encoder (only when
    bitsandbytes can run; asking for it explicitly where it cannot is an error, see ``quantization.bnb``);
 5. fp8 transformer with block-level group offload, and the text encoder group-offloaded too:
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from ..precision import compute_dtype
 from ..presets import MEMORY_PRESETS
 
 GIB = 1024**3
@@ -132,19 +134,21 @@ def _cast_for_compute(module: nn.Module, dtype: torch.dtype) -> None:
 
 def _describe(memory: str, plan: MemoryPlan, device: torch.device) -> str:
     placement = {
-        "none": "all components resident (text encoder kept on the accelerator)",
+        "none": "all components resident (text encoder kept on the accelerator)" if device.type != "cpu"
+                else "all components on the CPU (no accelerator: nothing to offload)",
         "model": "model CPU offload (one component on the accelerator at a time; the text encoder waits on the CPU)",
         "group": "group offload (transformer block by block, text encoder layer groups; both wait on the CPU)",
     }[plan.offload]
     parts = [placement]
     if plan.transformer_storage == "fp8":
-        parts.append("transformer weights stored fp8 with a scale per row, computed in bf16")
+        parts.append(f"transformer weights stored fp8 with a scale per row, computed in {str(compute_dtype(device)).removeprefix('torch.')}")
     elif plan.transformer_storage == "nf4":
         parts.append("transformer weights NF4 (bitsandbytes)")
     if plan.text_encoder_storage == "nf4":
         parts.append("text encoder weights NF4 (bitsandbytes)")
-    budget = "no limit" if plan.budget is None else f"{plan.budget / GIB:.0f} GiB"
-    parts.append(f"estimated peak {plan.estimated_peak / GIB:.1f} GiB of {budget}")
+    if plan.budget is not None or device.type != "cpu":  # an accelerator estimate (1024 px CFG activations included)
+        budget = "(no budget)" if plan.budget is None else f"of {plan.budget / GIB:.0f} GiB"
+        parts.append(f"estimated peak {plan.estimated_peak / GIB:.1f} GiB {budget}")
     return f"memory={memory!r} on {device}: " + ", ".join(parts) + "".join(f"; note: {n}" for n in plan.notes)
 
 
@@ -163,7 +167,9 @@ def release_text_encoder(pipe) -> None:
 
 def apply_plan(pipe, plan: MemoryPlan, device: torch.device) -> None:
     """Apply ``plan`` to ``pipe`` in place (storage changes first, then placement)."""
-    compute = torch.bfloat16 if device.type == "cuda" or plan.transformer_storage else pipe.transformer.dtype
+    # Quantized storage computes in the policy's dtype (bf16 on CUDA and on CPUs with bf16 units;
+    # float32 on a CPU that would emulate bf16); otherwise the weights keep the dtype they were loaded in.
+    compute = compute_dtype(device) if plan.transformer_storage else pipe.transformer.dtype
     if plan.transformer_storage == "fp8":
         from ..quantization.fp8 import quantize_transformer_fp8_
 
