@@ -3,13 +3,15 @@
     python app.py --model tiny-random                # offline, random weights (tests the plumbing)
     python app.py --model tiny-random --runs-dir RUNS  # the Train tab writes its runs under RUNS
     python app.py --model krea-2-turbo.safetensors --raw-model krea-2-raw.safetensors
-    python app.py --model path/to/diffusers-folder --port 7860 --share
+    python app.py --model path/to/diffusers-folder --port 7860 --share --data-root /data/lora-images
 
 The generate function is also an API endpoint, ``/generate`` (prompt first), e.g. with gradio_client:
 ``Client("http://127.0.0.1:7860").predict("a red fox in snow", api_name="/generate")``.
 Request limits and input checks come from ``krea2_diffusers.limits``; loading, generating and
-saving (``Demo``) live here, with the UI; the Train tab (``/train_plan``, ``/train_start``,
-``/train_status``, ``/train_stop``, ``/train_resume``) is the ``train_tab`` package.
+saving (``Demo``) live here, with the UI; the Train tab (``/train_caption``, ``/train_plan``,
+``/train_start``, ``/train_status``, ``/train_stop``, ``/train_resume``) is the ``train_tab`` package.
+The Train tab reads images and base models only inside the data roots (``--data-root``, repeatable;
+default: the runs folder's parent) and Gradio's upload folder: check them before ``--share``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from krea2_diffusers.metadata import save_png
 from krea2_diffusers.presets import looks_distilled, preset_for
 from krea2_diffusers.models.tiny import is_tiny
 from train_tab.actions import TrainActions
+from train_tab.roots import DataRoots
 from train_tab.runs import Runs
 from train_tab.ui import build_train_tab
 
@@ -184,12 +187,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--raw", dest="is_distilled", action="store_const", const=False, help="--model is RAW")
     p.add_argument("--text-encoder", default=None, help="Qwen3-VL-4B-Instruct hub id or folder (for single-file models)")
     p.add_argument("--vae", default=None, help="Qwen-Image VAE hub id or folder (for single-file models)")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None, help="default: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                   help="default: bfloat16 on GPU and on CPUs with bf16 units (AVX512-BF16 / AMX), else float32 (KREA2_CPU_BF16=0|1 overrides)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--memory", choices=MEMORY_PRESETS, default="auto", help="memory preset (auto: fit the GPU found)")
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
                    help="LoRA to apply to every model (repeatable), e.g. the style-reference LoRA for style mode 'reference'")
     p.add_argument("--runs-dir", default="runs", help="the Train tab's runs folder (one folder per run)")
+    p.add_argument("--data-root", action="append", default=[], metavar="DIR",
+                   help="Train tab: a folder whose images and base models requests may name (repeatable; default: the "
+                        "runs folder's parent); uploads (Gradio's upload folder) are always allowed")
     p.add_argument("--train-gpu-memory", type=float, default=None, metavar="GIB",
                    help="Train tab: plan for a card of this many GiB (default: the GPU found, else the preset's card)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 to serve your network)")
@@ -204,7 +211,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def make_demo(args) -> Demo:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    if args.dtype:
+        dtype = getattr(torch, args.dtype)
+    else:
+        from krea2_diffusers.precision import choose_compute_dtype
+
+        chosen = choose_compute_dtype(device)
+        print(chosen.describe())
+        dtype = chosen.dtype
 
     def load(model: str, is_distilled: bool):
         pipe = load_pipeline(Krea2Pipeline, model, text_encoder=args.text_encoder, vae=args.vae, torch_dtype=dtype,
@@ -221,6 +235,16 @@ def make_demo(args) -> Demo:
                 output_dir=tempfile.mkdtemp(prefix="krea2-app-"), limits=limits)
     demo.pipeline(next(iter(demo.models)))  # load the first model now: errors show at startup, not on first click
     return demo
+
+
+def gradio_upload_folder() -> Path:
+    """Where Gradio stores uploaded files (``$GRADIO_TEMP_DIR``, else ``<temp>/gradio``), created now
+    so it can be a data root before the first upload."""
+    from gradio.utils import get_upload_folder
+
+    folder = Path(get_upload_folder())
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def use_trained_lora(demo: Demo, path: str) -> str:
@@ -305,12 +329,21 @@ def build_ui(demo: Demo, train=None) -> gr.Blocks:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    runs = Runs(args.runs_dir)
+    runs.root.mkdir(parents=True, exist_ok=True)
+    try:  # before the model loads: a mistyped --data-root is told at once
+        roots = DataRoots([*(args.data_root or [runs.root.parent]), gradio_upload_folder()])
+    except ValueError as err:
+        raise SystemExit(f"app.py: --data-root: {err}") from None
+    from krea2_diffusers.cpu_threads import choose_cpu_threads
+
+    choose_cpu_threads(*filter(None, (args.model, args.raw_model)))  # before loading: tiny models run single-threaded
     demo = make_demo(args)
     if not demo.tiny:  # tiny-random's loader has already said RANDOM WEIGHTS, once
         print(f"Krea 2 demo: {demo.label()}")
-    runs = Runs(args.runs_dir)
+    print(f"Train tab data roots: {roots}")
     train = TrainActions(runs, demo.models.get("RAW", next(iter(demo.models.values()))), captioner_model=args.text_encoder,
-                         gpu_memory_gib=args.train_gpu_memory)
+                         gpu_memory_gib=args.train_gpu_memory, roots=roots, models=tuple(demo.models.values()))
     ui = build_ui(demo, train)
     ui.queue(max_size=args.max_queue, default_concurrency_limit=1)
     try:

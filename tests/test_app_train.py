@@ -1,15 +1,18 @@
 """The app's Train tab on tiny-random: bad input refused with clear messages (through the API, the same
-functions as the buttons), and a real browser (Debian chromium, Playwright) captioning 8 images,
-reading the plan, starting a 20-step run, stopping and resuming it, and using its LoRA in the Generate
-tab, with a screenshot at each stage (kept in the test's tmp folder).
+functions as the buttons), paths outside the data roots refused, ``/train_caption``, and a real browser
+(Debian chromium, Playwright) captioning 8 images, editing a caption under the thumbnails, reading the
+plan, starting a 20-step run, stopping and resuming it, and using its LoRA in the Generate tab, with a
+screenshot at each stage (kept in the test's tmp folder).
 
 The server is conftest's ``app_server`` (one for test_app.py and this file): ``python app.py --model
-tiny-random --runs-dir RUNS --train-gpu-memory 16``; training is ``krea2 train`` in a subprocess.
+tiny-random --runs-dir RUNS --train-gpu-memory 16``; training is ``krea2 train`` in a subprocess. Its
+data root is the default, the runs folder's parent: the tests' images live there (:func:`inputs`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -60,6 +63,13 @@ def listing(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
 
 
+def inputs(app_server, tmp_path: Path) -> Path:
+    """A folder of this test's own inside the app's data root (the runs folder's parent)."""
+    folder = app_server.runs.parent / "inputs" / tmp_path.name
+    folder.mkdir(parents=True)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def client(app_server, tmp_path_factory):
     from gradio_client import Client
@@ -70,6 +80,7 @@ def client(app_server, tmp_path_factory):
 def test_bad_input_is_refused_with_a_clear_message_and_writes_nothing(client, app_server, tmp_path):
     from gradio_client.exceptions import AppError
 
+    tmp_path = inputs(app_server, tmp_path)
     empty = tmp_path / "empty"
     empty.mkdir()
     texts = tmp_path / "texts"
@@ -86,6 +97,8 @@ def test_bad_input_is_refused_with_a_clear_message_and_writes_nothing(client, ap
         ((str(broken), "48gb+", "tiny-random"), "fake.png is not a readable image"),
         ((str(tmp_path / "nowhere"), "48gb+", "tiny-random"), "is not a folder"),
         ((str(images), "8gb", "tiny-random"), "'8gb' .* is not in the list of choices"),
+        (("/etc", "48gb+", "tiny-random"), "/etc is outside the allowed data roots"),
+        ((str(images), "48gb+", "/"), "Base model '/' is outside the allowed data roots"),
     ]
     for args, message in cases:
         for endpoint, extra in (("/train_plan", ()), ("/train_start", ("acme", STEPS))):
@@ -148,7 +161,7 @@ def test_browser_captions_plans_trains_stops_resumes_and_uses_the_lora(app_serve
 
     if not Path(CHROMIUM).exists():
         pytest.fail(f"{CHROMIUM} is missing: run .ci/install_browser.sh")
-    images = make_images(tmp_path / "dataset")
+    images = make_images(inputs(app_server, tmp_path) / "dataset")
     before = listing(images)
     shots = tmp_path / "screenshots"
     shots.mkdir()
@@ -172,9 +185,18 @@ def test_browser_captions_plans_trains_stops_resumes_and_uses_the_lora(app_serve
             field("train_folder").fill(str(images))
             page.locator("#train_load").click()
             expect(page.locator("#train_table_note")).to_contain_text("8 images, 8 without a caption", timeout=WAIT_MS)
+            expect(page.locator("#train_grid img")).to_have_count(8, timeout=WAIT_MS)  # the thumbnails
             shot("images")
             page.locator("#train_caption").click()
             expect(page.locator("#train_table_note")).to_contain_text("all captioned", timeout=WAIT_MS)
+            # A thumbnail clicked: its caption in the box beside the grid, edited there.
+            page.locator("#train_grid img").first.click()
+            editor = page.locator("#train_caption_edit textarea")
+            expect(editor).to_be_editable(timeout=WAIT_MS)
+            expect(editor).not_to_have_value("", timeout=WAIT_MS)
+            editor.fill("acme, edited caption")
+            page.locator("#train_table_note").click()  # leave the box: the grid shows the new caption
+            expect(page.locator("#train_grid").get_by_text("acme, edited caption").first).to_be_attached(timeout=WAIT_MS)
             shot("captions")
 
             page.get_by_test_id("48gb+-radio-label").click()
@@ -187,11 +209,12 @@ def test_browser_captions_plans_trains_stops_resumes_and_uses_the_lora(app_serve
             field("train_sample_every").fill(str(SAMPLE_EVERY))
             page.locator("#train_start").click()
             message("Started ")
-            run_id = next(p.name for p in app_server.runs.iterdir())
+            run_id = next(p.name for p in app_server.runs.iterdir() if p.is_dir())  # not the runs folder's lock file
             page.locator("#train_start").click()  # a second Start while the first run goes
             message(f"Run {run_id} is still running")
             page.locator("#train_stop").click()  # at once: the run stops after its first step, checkpointed
-            expect(page.locator("#train_progress")).to_contain_text("stopped, step 1 / 20", timeout=WAIT_MS)
+            # stopped during its set-up (before step 1) or after its first step, as the signal finds it
+            expect(page.locator("#train_progress")).to_contain_text(re.compile(r"stopped, step [01] / 20"), timeout=WAIT_MS)
             expect(page.locator("#train_loss").locator("canvas, svg").first).to_be_visible(timeout=WAIT_MS)
             shot("stopped")
 
@@ -201,6 +224,9 @@ def test_browser_captions_plans_trains_stops_resumes_and_uses_the_lora(app_serve
             shot("sample")
             expect(page.locator("#train_progress")).to_contain_text("done, step 20 / 20", timeout=WAIT_MS)
             expect(page.locator("#train_use")).to_be_enabled(timeout=WAIT_MS)
+            expect(page.locator("#train_samples img")).to_have_count(STEPS // SAMPLE_EVERY, timeout=WAIT_MS)  # the timeline
+            expect(page.locator("#train_samples")).to_contain_text(f"step {STEPS}")
+            expect(page.locator("#train_speed")).to_contain_text(" s/step")
             shot("done")
 
             page.locator("#train_use").click()
@@ -219,7 +245,7 @@ def test_browser_captions_plans_trains_stops_resumes_and_uses_the_lora(app_serve
 
     run = app_server.runs / run_id
     assert read_settings(tmp_path / "shown.png")["loras"] == [{"path": str(run / "lora_diffusers.safetensors"), "strength": 1.0}]
-    # One run, continued: metrics.jsonl holds steps 1..20 once each, the resume after a step-1 checkpoint.
+    # One run, continued: metrics.jsonl holds steps 1..20 once each (the resume continues from the stop).
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert (run / "checkpoints").is_dir() and "--resume" in (run / "train.log").read_text()
@@ -233,8 +259,28 @@ def test_browser_captions_plans_trains_stops_resumes_and_uses_the_lora(app_serve
     assert config.output_dir == str(run) and config.training.max_steps == STEPS and config.export.trigger_words == ["acme"]
     manifest = [json.loads(line) for line in (run / "dataset.jsonl").read_text().splitlines()]
     assert len(manifest) == 8 and all(r["caption"].startswith("acme, ") and len(r["caption"]) > 6 for r in manifest)
+    assert manifest[0]["caption"] == "acme, edited caption"  # the caption edited under the grid
     assert listing(images) == before  # captions live in the run's manifest, not next to the images
     assert len(list(shots.iterdir())) == 7
+
+
+def test_the_caption_endpoint_fills_missing_captions_inside_the_data_roots_only(client, app_server, tmp_path):
+    """``/train_caption``: rows in, rows out (a script's way to caption, the button's function); a row
+    outside the data roots is refused without naming its file."""
+    from gradio_client.exceptions import AppError
+
+    paths = [str(p) for p in sorted(make_images(inputs(app_server, tmp_path), 3).glob("*.png"))]
+    rows = [[paths[0], ""], [paths[1], "my own caption"], [paths[2], ""]]
+    answer = client.predict({"headers": ["image", "caption"], "data": rows}, api_name="/train_caption")
+    assert [row[0] for row in answer["data"]] == paths and answer["data"][1][1] == "my own caption"
+    assert all(row[1].strip() for row in answer["data"])
+    with pytest.raises(AppError, match="The image of row 2 is outside the allowed data roots") as refused:
+        client.predict({"headers": ["image", "caption"], "data": [rows[0], ["/etc/hostname", ""]]}, api_name="/train_caption")
+    assert "hostname" not in str(refused.value)
+    endpoints = client.view_api(print_info=False, return_format="dict")["named_endpoints"]
+    assert [p["parameter_name"] for p in endpoints["/train_caption"]["parameters"]] == ["rows"]
+    captions = endpoints["/train_start"]["parameters"][-1]
+    assert captions["parameter_name"] == "captions" and captions["parameter_default"] == "required"
 
 
 def test_uploaded_images_are_copied_into_the_run_folder(tmp_path):

@@ -5,6 +5,8 @@ written into the run folder (so every run can be repeated from the command line)
 
 - :mod:`train_tab.presets`: the card-sized presets and the run's config mapping;
 - :mod:`train_tab.images`: the image folder, its captions, captioning the missing ones;
+- :mod:`train_tab.roots`: the data roots every path a request names must lie in;
+- :mod:`train_tab.errors`: :class:`TrainInputError`, the refusal every module raises;
 - :mod:`train_tab.plan`: the memory plan (``krea2 train --dry-run``'s code) and the fit decision;
 - :mod:`train_tab.runs`: the runs folder: start, stop (SIGTERM), resume, status;
 - :mod:`train_tab.ui`: the Gradio tab and its API endpoints.

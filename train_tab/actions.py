@@ -1,7 +1,8 @@
 """What the Train tab's buttons do, on plain values (no Gradio here): the plan, start, stop,
 resume, status and captions. Refusals raise :class:`train_tab.images.TrainInputError` with the
 message the UI shows; nothing is written before a start is accepted, and then only in the run
-folder."""
+folder. Every path a request names (image folder, table rows, base model) is checked against the
+data roots (:mod:`train_tab.roots`) before it is read."""
 
 from __future__ import annotations
 
@@ -9,13 +10,35 @@ from pathlib import Path
 
 from krea2_diffusers.models.tiny import is_tiny
 
-from .images import Captioner, TrainInputError, caption_table, check_image, find_images
+from .errors import TrainInputError
+from .images import Captioner, caption_table, check_image, find_images, thumbnail
 from .plan import Fit, fit
 from .presets import TRAIN_PRESETS, run_config
+from .roots import DataRoots
 from .runs import Runs
 
 PLACEHOLDER_RUN = Path("RUN")  # the plan's config needs paths; the dry run reads neither
 MAX_STEPS = 100_000
+CAPTION_MODES = ("required", "trigger")
+"""``captions`` of a start: ``required``: every image needs a caption; ``trigger``: an image without
+one is trained with the trigger word as its caption (ai-toolkit's behaviour for uncaptioned images)."""
+
+
+def whole_number(field: str, value, low: int, high: int, default: int) -> int:
+    """``value`` as an integer in [low, high]; empty or 0 means ``default``. Anything else (a
+    fraction, a negative number, text) is refused with a message naming ``field`` and the value."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return default
+    try:
+        number = float(value) if not isinstance(value, bool) else float("nan")
+    except (TypeError, ValueError):
+        number = float("nan")
+    if number == 0:
+        return default
+    if not (number.is_integer() and low <= number <= high):
+        raise TrainInputError(f"{field} must be a whole number between {low} and {high} (or 0 for the default), "
+                              f"got {value!r}.")
+    return int(number)
 
 
 class TrainActions:
@@ -24,11 +47,16 @@ class TrainActions:
         base_model: the default base model (the app's RAW model).
         captioner_model: the Qwen3-VL captions come from (default: the base model's own).
         gpu_memory_gib: plan for a card of this size instead of the GPU found (or the preset's card).
+        roots: the folders images and base models may come from (default: the runs folder's parent).
+        models: the app's other configured models (allowed as base models wherever they are).
     """
 
-    def __init__(self, runs: Runs, base_model: str, captioner_model: str | None = None, gpu_memory_gib: float | None = None):
+    def __init__(self, runs: Runs, base_model: str, captioner_model: str | None = None, gpu_memory_gib: float | None = None,
+                 roots: DataRoots | None = None, models: tuple[str, ...] = ()):
         self.runs, self.base_model, self.gpu_memory_gib = runs, base_model, gpu_memory_gib
         self.captioner_model = captioner_model
+        self.roots = roots if roots is not None else DataRoots([runs.root.parent])
+        self.models = (base_model, *models)
         self._captioners: dict[str, Captioner] = {}
 
     # ---------------------------------------------------------------- inputs
@@ -39,17 +67,23 @@ class TrainActions:
         return preset
 
     def base(self, base_model: str | None) -> str:
-        return (base_model or "").strip() or self.base_model
+        """The base model named (default: the app's), checked against the data roots before anything reads it."""
+        return self.roots.base_model((base_model or "").strip() or self.base_model, self.models)
 
     def images(self, images_folder: str, rows: list[list[str]] | None = None) -> list[list[str]]:
         """``[path, caption]`` rows: the given ones (the UI's edited table, each image checked), else the folder's."""
         if rows:
-            for path, _ in rows:
-                if not Path(path).is_file():
+            for number, (path, _) in enumerate(rows, 1):
+                image = self.roots.image(path, number)
+                if not image.is_file():
                     raise TrainInputError(f"{path} no longer exists; load the images again.")
-                check_image(Path(path))
+                check_image(image)
             return rows
-        return caption_table(find_images(images_folder))
+        return caption_table(find_images(images_folder, self.roots), self.roots)
+
+    def thumbnails(self, rows: list[list[str]]) -> list[tuple[object, str]]:
+        """(small PIL image, caption) per row, for the grid; the rows are checked like :meth:`images`."""
+        return [(thumbnail(path), caption) for path, caption in self.images("", rows)] if rows else []
 
     def captioner(self, base_model: str) -> Captioner:
         model = "tiny-random" if is_tiny(base_model) else (self.captioner_model or base_model)
@@ -57,18 +91,22 @@ class TrainActions:
             self._captioners[model] = Captioner(model, tiny=is_tiny(model))
         return self._captioners[model]
 
-    def caption_missing(self, rows: list[list[str]], base_model: str | None, progress=None) -> list[list[str]]:
+    def caption_missing(self, rows: list[list[str]], base_model: str | None = None, progress=None) -> list[list[str]]:
+        """``rows`` with every empty caption written by the captioner (the ``/train_caption`` endpoint)."""
         if not rows:
-            raise TrainInputError("Load the images first.")
-        return self.captioner(self.base(base_model)).caption_missing(rows, progress)
+            raise TrainInputError("Load the images first (rows of [image path, caption]).")
+        return self.captioner(self.base(base_model)).caption_missing(self.images("", rows), progress)
+
+    @staticmethod
+    def counts(preset: str, steps=None, sample_every=None) -> tuple[int, int]:
+        """(steps, sample every) as whole numbers in range; 0 or empty: the preset's steps, steps / 4."""
+        steps = whole_number("Steps", steps, 1, MAX_STEPS, TRAIN_PRESETS[preset].steps)
+        return steps, whole_number("Sample every", sample_every, 1, steps, max(1, steps // 4))
 
     # ---------------------------------------------------------------- the plan
     def config_for(self, run_dir: Path, manifest: Path, preset: str, base_model: str, trigger_word: str = "", steps=None,
                    sample_every=None, prompt: str = "") -> dict:
-        steps = int(steps) if steps else TRAIN_PRESETS[preset].steps
-        if not 1 <= steps <= MAX_STEPS:
-            raise TrainInputError(f"Steps must be between 1 and {MAX_STEPS}, got {steps}.")
-        every = int(sample_every) if sample_every else max(1, steps // 4)
+        steps, every = self.counts(preset, steps, sample_every)
         return run_config(run_dir, manifest, preset, base_model, trigger_word.strip(), steps, every,
                           prompt or trigger_word.strip() or "a photo")
 
@@ -88,29 +126,36 @@ class TrainActions:
 
     # ---------------------------------------------------------------- runs
     def start(self, images_folder: str, preset: str, base_model: str | None, trigger_word: str = "", steps=None,
-              sample_every=None, rows=None, copy_images: bool = False) -> str:
-        """Check everything, then create the run folder and start ``krea2 train``; returns the run id."""
+              sample_every=None, rows=None, copy_images: bool = False, captions: str = "required") -> str:
+        """Check everything, then create the run folder and start ``krea2 train``; returns the run id.
+        ``captions``: one of :data:`CAPTION_MODES`."""
         busy = self.runs.running()
         if busy is not None:
             raise TrainInputError(f"Run {busy} is still running: stop it before starting another.")
+        if captions not in CAPTION_MODES:
+            raise TrainInputError(f"captions must be one of {', '.join(map(repr, CAPTION_MODES))}, got {captions!r}.")
+        self.counts(self.check_preset(preset), steps, sample_every)  # refused before the images are read
+        base = self.base(base_model)
+        trigger = (trigger_word or "").strip()
         rows = self.images(images_folder, rows)
+        if captions == "trigger":
+            if not trigger:
+                raise TrainInputError("captions='trigger' trains on the trigger word as the caption: give a trigger word.")
+            rows = [[path, caption if caption.strip() else trigger] for path, caption in rows]
         missing = [Path(p).name for p, caption in rows if not caption.strip()]
         if missing:
-            raise TrainInputError(f"{len(missing)} image(s) have no caption ({', '.join(missing[:3])}): press "
-                                  "'Caption missing ones' or write them in the table.")
-        base = self.base(base_model)
+            raise TrainInputError(f"{len(missing)} image(s) have no caption ({', '.join(missing[:3])}): caption them "
+                                  "with /train_caption (the 'Caption missing ones' button) or write them in the table, "
+                                  "or start with captions='trigger' to use the trigger word as their caption.")
         planned = self.plan(images_folder, preset, base, rows)
         if not planned.fits:
             raise TrainInputError(f"Not started. {planned.text.splitlines()[0]}")
-        trigger = (trigger_word or "").strip()
         prompt = rows[0][1] if not trigger or trigger in rows[0][1] else f"{trigger}, {rows[0][1]}"
 
         def config(run_dir: Path, manifest: Path) -> dict:
             return self.config_for(run_dir, manifest, preset, base, trigger, steps, sample_every, prompt)
 
-        run_id = self.runs.create(config, rows, trigger, copy=copy_images)
-        self.runs.start(run_id, env=self.environment(base))
-        return run_id
+        return self.runs.create_and_start(config, rows, trigger, copy=copy_images, env=self.environment(base))
 
     @staticmethod
     def environment(base_model: str) -> dict:
@@ -127,17 +172,42 @@ class TrainActions:
         return f"Stopping {run_id}: it saves a checkpoint, then exits (Resume continues from there)."
 
     def progress(self, run_id: str) -> str:
-        """``step / total · s/step · ETA · loss`` from ``metrics.jsonl``."""
-        status, rows = self.runs.status(run_id), self.runs.metrics(run_id)
+        """``state, step / total · loss`` from ``metrics.jsonl`` (and the log's tail of a failed run)."""
+        status = self.runs.status(run_id)
         text = f"**{run_id}**: {status['state']}, step {status['step']} / {status['total']}"
-        times = [r["step_time"] for r in rows[1:][-20:] if "step_time" in r]  # the first step includes the set-up
-        if times:
-            per_step = sum(times) / len(times)
-            text += f" · {per_step:.2f} s/step"
-            if status["state"] == "running":
-                text += f" · ETA {per_step * (status['total'] - status['step']):.0f} s"
         if status["loss"] is not None:
             text += f" · loss {status['loss']:.4f}"
         if status["state"] == "failed":
             text += f"\n\n```\n{self.runs.log_tail(run_id)}\n```"
         return text
+
+    def speed(self, run_id: str) -> str:
+        """``s/step`` (the mean of the last 20 steps) and, while running, the ETA, from ``metrics.jsonl``."""
+        status, rows = self.runs.status(run_id), self.runs.metrics(run_id)
+        times = [r["step_time"] for r in rows[1:][-20:] if "step_time" in r]  # the first step includes the set-up
+        if not times:
+            return "s/step: after the second step"
+        per_step = sum(times) / len(times)
+        text = f"**{per_step:.2f} s/step**"
+        if status["state"] == "running":
+            text += f"  \nETA {duration(per_step * (status['total'] - status['step']))}"
+        return text
+
+    def timeline(self, run_id: str) -> list[tuple[str, str]]:
+        """Every validation sample (``samples/step-N/*.png``) as (path, ``"step N"``), in step order."""
+        found = []
+        for folder in (self.runs.folder(run_id) / "samples").glob("step-*"):
+            step = folder.name.removeprefix("step-")
+            if step.isdigit():
+                found += [(int(step), str(p)) for p in sorted(folder.glob("*.png"))]
+        return [(path, f"step {step}") for step, path in sorted(found)]
+
+
+def duration(seconds: float) -> str:
+    """``"42 s"``, ``"3 min 20 s"``, ``"2 h 05 min"``."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"

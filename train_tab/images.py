@@ -8,26 +8,31 @@ written next to the images: the run's manifest in the run folder carries them.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from PIL import Image
 
 from finetune.data.dataset import IMAGE_EXTENSIONS
 
+from .errors import TrainInputError
+
+if TYPE_CHECKING:
+    from .roots import DataRoots
+
 COLUMNS = ["image", "caption"]
 # Short captions on tiny-random (random text anyway); real VLMs get curation's own budget.
 TINY_CAPTION_TOKENS = 4
+THUMBNAIL_SIDE = 256
 
 
-class TrainInputError(ValueError):
-    """Input the Train tab refuses; the message is shown as it is."""
-
-
-def find_images(folder: str | Path) -> list[Path]:
+def find_images(folder: str | Path, roots: DataRoots | None = None) -> list[Path]:
     """The readable images directly in ``folder``, sorted; a clear error for a missing or empty
-    folder, a folder without images, or a file that claims to be an image but is not one."""
+    folder, a folder without images, or a file that claims to be an image but is not one.
+    With ``roots``, the folder and each image (a symlink may point elsewhere) must lie inside them,
+    checked before the folder is read."""
     if not str(folder or "").strip():
         raise TrainInputError("Choose a folder of images (or upload them) first.")
-    folder = Path(folder).expanduser()
+    folder = Path(folder).expanduser() if roots is None else roots.folder(folder)
     if not folder.is_dir():
         raise TrainInputError(f"{folder} is not a folder.")
     files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
@@ -39,6 +44,8 @@ def find_images(folder: str | Path) -> list[Path]:
         raise TrainInputError(f"{folder} holds no images ({len(files)} other file(s): {names}); "
                               f"expected {', '.join(sorted(IMAGE_EXTENSIONS))} files.")
     for path in images:
+        if roots is not None and not roots.contains(path):
+            raise roots.refusal(f"{path.name} (in {folder})")
         check_image(path)
     return images
 
@@ -51,13 +58,24 @@ def check_image(path: Path) -> None:
         raise TrainInputError(f"{path.name} is not a readable image ({type(err).__name__}: {err}).") from None
 
 
-def caption_table(images: list[Path]) -> list[list[str]]:
-    """Rows ``[image path, caption]``; the caption from a same-name ``.txt`` file, else empty."""
+def caption_table(images: list[Path], roots: DataRoots | None = None) -> list[list[str]]:
+    """Rows ``[image path, caption]``; the caption from a same-name ``.txt`` file, else empty (with
+    ``roots``, a caption file outside them, a symlink pointing out, counts as no caption)."""
     rows = []
     for path in images:
         caption_file = path.with_suffix(".txt")
-        rows.append([str(path), caption_file.read_text(encoding="utf-8").strip() if caption_file.is_file() else ""])
+        readable = caption_file.is_file() and (roots is None or roots.contains(caption_file))
+        rows.append([str(path), caption_file.read_text(encoding="utf-8").strip() if readable else ""])
     return rows
+
+
+def thumbnail(path: str | Path, side: int = THUMBNAIL_SIDE) -> Image.Image:
+    """The image at ``path`` shrunk to at most ``side`` pixels a side (RGB), for the UI's grid."""
+    with Image.open(path) as image:
+        image.draft("RGB", (side, side))  # JPEG: decode at a reduced scale, not at full size
+        small = image.convert("RGB")
+    small.thumbnail((side, side))
+    return small
 
 
 def table_rows(table) -> list[list[str]]:

@@ -1,6 +1,11 @@
-"""The Train tab's Gradio components and their events; the API endpoints ``/train_plan``,
-``/train_start``, ``/train_status``, ``/train_stop`` (and ``/train_resume``) are the same
-functions the buttons call. The logic is :class:`train_tab.actions.TrainActions`."""
+"""The Train tab's Gradio components and their events; the API endpoints ``/train_caption``,
+``/train_plan``, ``/train_start``, ``/train_status``, ``/train_stop`` (and ``/train_resume``) are
+the same functions the buttons call. The logic is :class:`train_tab.actions.TrainActions`.
+
+The images show as a grid of thumbnails (a ``gr.Gallery``: Gradio 6 has no editable caption per
+gallery item, so a click on a thumbnail puts its caption in the box beside the grid, where it is
+edited); the table of paths and captions under it is what the endpoints take and give (rows of
+``[image path, caption]``, as ``{"headers": ["image", "caption"], "data": rows}``)."""
 
 from __future__ import annotations
 
@@ -9,7 +14,8 @@ import json
 import gradio as gr
 
 from .actions import TrainActions
-from .images import COLUMNS, TrainInputError, table_rows
+from .errors import TrainInputError
+from .images import COLUMNS, table_rows
 from .presets import TRAIN_PRESETS
 
 REFRESH_SECONDS = 1.0
@@ -32,11 +38,23 @@ def build_train_tab(actions: TrainActions, use_lora):
         except TrainInputError as err:
             raise _refused(err) from None
 
-    def start(images_folder, preset, base_model, trigger_word="", steps=None, sample_every=None, table=None, uploads=None):
-        """Start ``krea2 train`` on these images; returns the run id."""
+    def start(images_folder, preset, base_model, trigger_word="", steps=None, sample_every=None, table=None, uploads=None,
+              captions="required"):
+        """Start ``krea2 train`` on these images; returns the run id. ``captions``: "required" (every image
+        needs one: see /train_caption) or "trigger" (an image without one is trained with the trigger word)."""
+        uploaded = bool(uploads) and not (images_folder or "").strip()
+        rows = table_rows(table) or ([[str(path), ""] for path in uploads] if uploaded else None)
         try:
-            return actions.start(images_folder, preset, base_model, trigger_word, steps, sample_every,
-                                 table_rows(table) or None, copy_images=bool(uploads) and not (images_folder or "").strip())
+            return actions.start(images_folder, preset, base_model, trigger_word, steps, sample_every, rows,
+                                 copy_images=uploaded, captions=captions)
+        except TrainInputError as err:
+            raise _refused(err) from None
+
+    def caption(rows, progress=gr.Progress()):
+        """Rows ``[image path, caption]`` in; the same rows out, each empty caption written by the app's captioner."""
+        try:
+            return actions.caption_missing(table_rows(rows), None,
+                                           lambda done, total: progress((done, total), desc="Captioning", unit="images"))
         except TrainInputError as err:
             raise _refused(err) from None
 
@@ -62,6 +80,18 @@ def build_train_tab(actions: TrainActions, use_lora):
             raise _refused(err) from None
         return run_id
 
+    def note(rows) -> str:
+        missing = sum(1 for _, caption in rows if not caption.strip())
+        return f"{len(rows)} images, all captioned." if not missing else f"{len(rows)} images, {missing} without a caption."
+
+    def grid_of(table):
+        """The thumbnails with their captions, and the note under them."""
+        rows = table_rows(table)
+        try:
+            return actions.thumbnails(rows), note(rows)
+        except TrainInputError as err:
+            raise _refused(err) from None
+
     def load_images(images_folder, uploads):
         try:
             if uploads:
@@ -70,16 +100,23 @@ def build_train_tab(actions: TrainActions, use_lora):
                 rows = actions.images(images_folder)
         except TrainInputError as err:
             raise _refused(err) from None
-        missing = sum(1 for _, caption in rows if not caption)
-        return rows, f"{len(rows)} images, {missing} without a caption."
+        return rows, *grid_of(rows), None, gr.update(value="", interactive=False)  # nothing selected in the new grid
 
-    def caption(table, base_model, progress=gr.Progress()):
-        try:
-            rows = actions.caption_missing(table_rows(table), base_model,
-                                           lambda done, total: progress((done, total), desc="Captioning", unit="images"))
-        except TrainInputError as err:
-            raise _refused(err) from None
-        return rows, f"{len(rows)} images, all captioned."
+    def pick(table, evt: gr.SelectData):
+        rows = table_rows(table)
+        index = evt.index if isinstance(evt.index, int) and 0 <= evt.index < len(rows) else None
+        return index, gr.update(value=rows[index][1] if index is not None else "", interactive=index is not None)
+
+    def edit(index, text, table):
+        rows = table_rows(table)
+        if index is not None and 0 <= index < len(rows):
+            rows[index][1] = text
+        return rows
+
+    def commit(index, text, table):
+        """The edit applied again (the box may be left before its last ``input`` event came back), and the grid."""
+        rows = edit(index, text, table)
+        return rows, *grid_of(rows)
 
     def runs_choices(selected=None):
         choices = [(f"{run_id} ({state})", run_id) for run_id, state in actions.runs.list()]
@@ -87,16 +124,17 @@ def build_train_tab(actions: TrainActions, use_lora):
 
     def refresh(run_id):
         if not run_id:
-            return "No run selected.", None, [], [], gr.update()
+            return "No run selected.", None, "", [], [], gr.update()
         try:
             state = actions.runs.status(run_id)
         except TrainInputError:
-            return f"No run {run_id}.", None, [], [], gr.update()
+            return f"No run {run_id}.", None, "", [], [], gr.update()
         import pandas as pd
 
         rows = actions.runs.metrics(run_id)
         curve = pd.DataFrame({"step": [r["step"] for r in rows], "loss": [r["loss"] for r in rows]})
-        return actions.progress(run_id), curve, state["samples"], state["exports"], gr.update(interactive=bool(state["exports"]))
+        return (actions.progress(run_id), curve, actions.speed(run_id), actions.timeline(run_id), state["exports"],
+                gr.update(interactive=bool(state["exports"])))
 
     def use(run_id):
         exports = actions.runs.status(run_id)["exports"] if run_id else []
@@ -112,12 +150,11 @@ def build_train_tab(actions: TrainActions, use_lora):
             folder = gr.Textbox(label="Images folder", elem_id="train_folder", placeholder="/path/to/images")
             uploads = gr.File(label="... or upload images", file_count="multiple", file_types=["image"], type="filepath")
             load = gr.Button("Load images", elem_id="train_load")
-            table = gr.Dataframe(headers=COLUMNS, datatype=["str", "str"], column_count=(2, "fixed"), interactive=True,
-                                 label="Images and captions (editable)", elem_id="train_images", wrap=True)
-            caption_button = gr.Button("Caption missing ones", elem_id="train_caption")
-            table_note = gr.Markdown(elem_id="train_table_note")
         with gr.Column():
             trigger = gr.Textbox(label="Trigger word", elem_id="train_trigger", placeholder="acme_style")
+            captions = gr.Radio([("Required: every image has a caption", "required"),
+                                 ("None needed: an image without one is trained on the trigger word", "trigger")],
+                                value="required", label="Captions", elem_id="train_captions")
             preset = gr.Radio(presets, value=presets[-1], label="Preset (your card)", elem_id="train_preset",
                               info="16gb: NF4 base, rank 16, block swap. 24gb: fp8 base, rank 32. 48gb+: bf16 base, rank 32.")
             base = gr.Textbox(value=actions.base_model, label="Base model (RAW)", elem_id="train_base")
@@ -125,33 +162,54 @@ def build_train_tab(actions: TrainActions, use_lora):
                 steps = gr.Number(value=0, precision=0, minimum=0, label="Steps (0: the preset's)", elem_id="train_steps")
                 sample_every = gr.Number(value=0, precision=0, minimum=0, label="Sample every N steps (0: steps / 4)",
                                          elem_id="train_sample_every")
+    with gr.Row():
+        grid = gr.Gallery(label="Images (click one to edit its caption)", elem_id="train_grid", columns=6, height=360,
+                          allow_preview=False, scale=3)
+        with gr.Column(scale=1):
+            caption_edit = gr.Textbox(label="Caption of the selected image", lines=6, interactive=False,
+                                      elem_id="train_caption_edit", placeholder="Click an image")
+            caption_button = gr.Button("Caption missing ones", elem_id="train_caption")
+            table_note = gr.Markdown(elem_id="train_table_note")
+    with gr.Accordion("Paths and captions (the table /train_caption and /train_start take)", open=False):
+        table = gr.Dataframe(headers=COLUMNS, datatype=["str", "str"], column_count=(2, "fixed"), interactive=True,
+                             label="Images and captions (editable)", elem_id="train_images", wrap=True)
+    selected = gr.State(None)
+    with gr.Row():
+        with gr.Column():
             plan_button = gr.Button("Check memory plan", elem_id="train_plan_button")
             plan_box = gr.Code(label="Memory plan (JSON, as /train_plan answers)", language="json", elem_id="train_plan",
                                interactive=False, max_lines=3)
+        with gr.Column():
             plan_view = gr.Textbox(label="Memory plan", lines=12, interactive=False, elem_id="train_plan_text")
-            with gr.Row():
-                start_button = gr.Button("Start", variant="primary", elem_id="train_start")
-                stop_button = gr.Button("Stop", elem_id="train_stop")
-                resume_button = gr.Button("Resume", elem_id="train_resume")
-            message = gr.Markdown(elem_id="train_message")
+    with gr.Row():
+        start_button = gr.Button("Start", variant="primary", elem_id="train_start")
+        stop_button = gr.Button("Stop", elem_id="train_stop")
+        resume_button = gr.Button("Resume", elem_id="train_resume")
+    message = gr.Markdown(elem_id="train_message")
     with gr.Row():
         run = gr.Dropdown(label="Runs (from the runs folder)", choices=[], elem_id="train_runs", allow_custom_value=True)
         refresh_runs = gr.Button("Refresh runs", elem_id="train_refresh")
     progress_text = gr.Markdown(elem_id="train_progress")
     with gr.Row():
-        plot = gr.LinePlot(x="step", y="loss", label="Loss (metrics.jsonl)", elem_id="train_loss")
-        gallery = gr.Gallery(label="Latest samples", elem_id="train_samples", height=240)
+        plot = gr.LinePlot(x="step", y="loss", label="Loss (metrics.jsonl)", elem_id="train_loss", scale=4)
+        speed = gr.Markdown(elem_id="train_speed")
+    timeline = gr.Gallery(label="Samples by step (the validation prompt)", elem_id="train_samples", columns=8, height=240)
     exports = gr.File(label="LoRA files", file_count="multiple", elem_id="train_exports")
     use_button = gr.Button("Use in Generate", elem_id="train_use", interactive=False)
     run_id = gr.Textbox(visible=False)
     status_json = gr.JSON(visible=False)
     run_text = gr.Textbox(visible=False)
 
-    load.click(load_images, [folder, uploads], [table, table_note], api_visibility="private")
-    caption_button.click(caption, [table, base], [table, table_note], api_visibility="private")
+    load.click(load_images, [folder, uploads], [table, grid, table_note, selected, caption_edit], api_visibility="private")
+    caption_button.click(caption, table, table, api_name="train_caption").success(
+        grid_of, table, [grid, table_note], api_visibility="private")
+    table.input(grid_of, table, [grid, table_note], api_visibility="private")
+    grid.select(pick, table, [selected, caption_edit], api_visibility="private")
+    caption_edit.input(edit, [selected, caption_edit, table], table, api_visibility="private", show_progress="hidden")
+    caption_edit.blur(commit, [selected, caption_edit, table], [table, grid, table_note], api_visibility="private")
     plan_button.click(plan, [folder, preset, base, table], plan_box, api_name="train_plan").success(
         lambda answer: json.loads(answer)["plan"], plan_box, plan_view, api_visibility="private")
-    start_button.click(start, [folder, preset, base, trigger, steps, sample_every, table, uploads], run_id,
+    start_button.click(start, [folder, preset, base, trigger, steps, sample_every, table, uploads, captions], run_id,
                        api_name="train_start").success(
         lambda r: (runs_choices(r), f"Started {r}."), run_id, [run, message], api_visibility="private")
     stop_button.click(stop, run, message, api_name="train_stop")
@@ -159,7 +217,7 @@ def build_train_tab(actions: TrainActions, use_lora):
         lambda r: (runs_choices(r), f"Resumed {r}."), run_text, [run, message], api_visibility="private")
     gr.Button(visible=False).click(status, run_id, status_json, api_name="train_status")
     refresh_runs.click(lambda r: runs_choices(r), run, run, api_visibility="private")
-    outputs = [progress_text, plot, gallery, exports, use_button]
+    outputs = [progress_text, plot, speed, timeline, exports, use_button]
     run.change(refresh, run, outputs, api_visibility="private")
     gr.Timer(REFRESH_SECONDS).tick(refresh, run, outputs, api_visibility="private", show_progress="hidden")
     return use_button.click(use, run, message, api_visibility="private")
