@@ -27,6 +27,7 @@ from finetune.packs.sources import manifest_records  # noqa: E402
 from finetune.packs.synthetic import make_synthetic_set  # noqa: E402
 from finetune.pretrain.config import build_pretrain_config  # noqa: E402
 from finetune.pretrain.trainer import Pretrainer  # noqa: E402
+from krea2_diffusers.files import atomic_write  # noqa: E402
 
 VARIANTS = (("adamw", False), ("muon", False), ("adamw", True), ("muon", True))
 
@@ -47,7 +48,7 @@ def make_trainer(optimizer: str, repa: bool, pack: Path, root: Path, args):
     trainer = Pretrainer(config)
     trainer.prepare()
     trainer.setup_stage(0)
-    return trainer, iter(trainer._loader(0, config.total_steps))
+    return trainer, iter(trainer.step_loader(0, config.total_steps))
 
 
 def bench(pack: Path, root: Path, args) -> dict[str, float]:
@@ -86,7 +87,8 @@ def main() -> None:
     for name, value in results.items():
         print(f"  {name:14s} {value:7.2f} samples/s  x{value / base:.2f} vs adamw")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        with atomic_write(Path(args.json), "w") as handle:
+            json.dump(results, handle, indent=2)
 
 
 if __name__ == "__main__":

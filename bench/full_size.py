@@ -12,11 +12,17 @@ transformer forward a step) through ``krea2 generate`` with the transformer stor
 nf4 (streamed in by block) or as a Q4_K GGUF written by ``krea2 quantize`` (streamed too).
 ``train`` runs ``krea2 train``: LoRA r32 on the quantized base, batch 1, activation checkpointing,
 then the LoRA export. On CPU everything kept in full precision computes in float32 (a 2-thread
-bf16 matmul runs at a third of float32's speed), on a GPU in bf16.
+bf16 matmul ran at a third of float32's speed on an earlier machine; with AVX512-BF16 it runs at
+~4x: the roofline line prints both peaks of the machine at hand), on a GPU in bf16.
 
-Measured: the peak anonymous RSS of the process tree (this process and its children, sampled), the
-plan's host figure for the same setup (``krea2 generate/train --dry-run``), seconds per step, the
-quantized transformer's bytes, and for ``train`` the step losses and the exported LoRA files.
+Measured: the peak anonymous RSS of the process tree (this process and its children, sampled
+every 0.2 s) and the largest per-process high-water mark (``VmHWM`` / ``ru_maxrss``: catches the
+short spikes sampling misses; see ``TreePeak``), the plan's host figure for the same setup
+(``krea2 generate/train --dry-run``), seconds per step, the quantized transformer's bytes, the
+roofline (bench/roofline.py: the machine's fp32 / bf16 matmul peaks measured in a child with the
+run's thread count, and the transformer's achieved GFLOPS as a fraction of its dtype's peak; for
+``train`` estimated from the step time, see ``TRAIN_FLOPS_PER_FORWARD``), and for ``train`` the
+step losses and the exported LoRA files.
 Everything besides ``--json`` and the checkpoint is written under a temporary folder that is removed.
 Exit 0 only when the run completed.
 """
@@ -38,6 +44,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 sys.path.insert(0, str(ROOT / "bench"))
+
+from roofline import describe  # noqa: E402  (torch-free: this process imports torch only in ``generate``)
 
 DEFAULT_CHECKPOINT = Path.home() / ".cache" / "krea2-diffusers" / "krea2-full-size-random.safetensors"
 GENERATE_MODES = ("fp8", "int8", "nf4", "Q4_K")
@@ -73,19 +81,29 @@ def _memory_field(path: str, field: str) -> int:
 
 
 class TreePeak:
-    """Samples the anonymous memory of this process and all its descendants (every 0.2 s).
+    """Samples the anonymous memory of this process and all its descendants (every 0.2 s), and
+    reads the kernel's per-process high-water marks, which no sampling interval can miss.
 
-    One process: its anonymous RSS. Several (the trainer's data-loader workers are forked after
-    the model is loaded and share its pages copy-on-write, so their RSS repeats the parent's): the
-    sum of each one's proportional share (``Pss_Anon``, shared pages divided among the sharers),
-    which counts every page once; reading it walks the page tables, so only then."""
+    ``peak`` (sampled): one process: its anonymous RSS. Several (the trainer's data-loader workers
+    are forked after the model is loaded and share its pages copy-on-write, so their RSS repeats
+    the parent's): the sum of each one's proportional share (``Pss_Anon``, shared pages divided
+    among the sharers), which counts every page once; reading it walks the page tables, so only
+    then. A spike shorter than the interval (a dequantized matrix) can fall between two samples.
+
+    ``max_hwm`` (exact per process, not a sum): the largest ``VmHWM`` of any process of the tree
+    during the run, i.e. its peak RSS (anonymous and file-backed pages: mapped checkpoint pages
+    count). This process's own at the end; the children's polled each interval (the mark only
+    grows, so a poll misses only a child's last interval) and, for those that ended and were waited
+    for, the kernel's ``ru_maxrss`` of ``RUSAGE_CHILDREN`` (the largest waited-for descendant's peak
+    RSS; it includes children that ended before the run, so it counts only when it grew during it)."""
 
     def __init__(self, interval: float = 0.2, every: float = 5.0):
-        self.interval, self.peak = interval, 0
+        self.interval, self.peak, self.max_hwm = interval, 0, 0
         self.peak_at = 0.0  # seconds on CLOCK_START (the child's log lines carry the same clock)
         self.timeline: list[tuple[float, int]] = []  # (seconds, bytes) every ``every`` s: where the peak sits
         self._every = every
         self._done = threading.Event()
+        self._waited_before = 0
 
     def _tree(self) -> list[int]:
         import psutil
@@ -97,6 +115,7 @@ class TreePeak:
         while not self._done.is_set():
             pids = self._tree()
             rss = {pid: _memory_field(f"/proc/{pid}/status", "RssAnon:") for pid in pids}
+            self.max_hwm = max([self.max_hwm] + [_memory_field(f"/proc/{pid}/status", "VmHWM:") for pid in pids])
             if sum(1 for size in rss.values() if size > 64 * 2**20) > 1:
                 total = sum(_memory_field(f"/proc/{pid}/smaps_rollup", "Pss_Anon:") for pid in pids)
             else:
@@ -106,9 +125,10 @@ class TreePeak:
                 self.peak, self.peak_at = total, now
             if not self.timeline or now - self.timeline[-1][0] >= self._every:
                 self.timeline.append((round(now, 1), total))
-            time.sleep(self.interval)
+            self._done.wait(self.interval)
 
     def __enter__(self):
+        self._waited_before = _waited_children_peak()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
@@ -116,6 +136,16 @@ class TreePeak:
     def __exit__(self, *exc):
         self._done.set()
         self._thread.join()
+        waited = _waited_children_peak()
+        own = _memory_field("/proc/self/status", "VmHWM:")
+        self.max_hwm = max(self.max_hwm, own, waited if waited > self._waited_before else 0)
+
+
+def _waited_children_peak() -> int:
+    """Peak RSS (bytes) of the largest descendant that ended and was waited for (Linux: kB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
 
 
 def _krea2(*args: str, log: Path) -> str:
@@ -142,20 +172,37 @@ def _plan_bytes(text: str) -> int:
     return int(float(match.group(1)) * GIB)
 
 
-def prepare(checkpoint: Path, text_encoder: Path) -> str:
-    """Write the random checkpoint (when missing) and text encoder in a child, and return the device
-    the run uses ("cpu" or the GPU's name), asked of another child: this process then holds no torch
-    heap of its own (building the random text encoder left ~1.3 GiB resident here, which the tree's
-    peak counted on top of the ``krea2 train`` child it measures)."""
+PROBE = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from roofline import machine_peaks
+from krea2_diffusers import Krea2Transformer2DModel
+cuda = torch.cuda.is_available()
+with torch.device("meta"):
+    config = dict(Krea2Transformer2DModel().config)
+print(json.dumps(dict(device=torch.cuda.get_device_name() if cuda else "cpu", config=config,
+                      threads=torch.get_num_threads(), **machine_peaks("cuda" if cuda else "cpu"))))
+"""
+
+
+def prepare(checkpoint: Path, text_encoder: Path) -> dict:
+    """Write the random checkpoint (when missing) and text encoder in a child, and ask another child
+    for the device the run uses ("cpu" or the GPU's name), the full-size config and the machine's
+    matmul peaks (bench/roofline.py; default threads, as the run's): this process then holds no
+    torch heap of its own (building the random text encoder left ~1.3 GiB resident here, which the
+    tree's peak counted on top of the ``krea2 train`` child it measures)."""
     subprocess.run([sys.executable, str(ROOT / "bench" / "full_size_models.py"), str(checkpoint), str(text_encoder)],
                    check=True)
-    probe = "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"
-    return subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout.strip()
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", PROBE, str(ROOT / "bench")], check=True, capture_output=True,
+                          text=True, env=env)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def generate(args, tmp: Path, device: str) -> dict:
+def generate(args, tmp: Path, device: str, machine: dict) -> dict:
     """One image in this process: plan, streamed quantized load, ``steps`` denoising steps."""
     import torch
+    from roofline import TransformerMeter, roofline
 
     from krea2_diffusers import Krea2Pipeline, Krea2Transformer2DModel
     from krea2_diffusers.loaders.assembly import load_pipeline
@@ -189,13 +236,16 @@ def generate(args, tmp: Path, device: str) -> dict:
         return kwargs
 
     start = time.perf_counter()
-    image = pipe(prompt_embeds=embeds, prompt_embeds_mask=mask, height=args.resolution, width=args.resolution, num_inference_steps=args.steps, guidance_scale=0.0,
-                 generator=torch.Generator(device).manual_seed(0), callback_on_step_end=on_step).images[0]
+    with TransformerMeter(pipe.transformer) as meter:
+        image = pipe(prompt_embeds=embeds, prompt_embeds_mask=mask, height=args.resolution, width=args.resolution,
+                     num_inference_steps=args.steps, guidance_scale=0.0, generator=torch.Generator(device).manual_seed(0),
+                     callback_on_step_end=on_step).images[0]
     image.save(tmp / "image.png")
     # the first step also pays one-time costs: the later ones are the steady figure
     steps = [b - a for a, b in zip(stamps, stamps[1:])] or [stamps[0] - start]
     return dict(plan_host_bytes=plan.total, quantized_transformer_bytes=resident_bytes(pipe.transformer),
-                seconds_per_step=sum(steps) / len(steps))
+                seconds_per_step=sum(steps) / len(steps),
+                **roofline(meter.flops, meter.seconds, pipe.transformer.compute_dtype, machine))
 
 
 TRAIN_CONFIG = """
@@ -206,7 +256,7 @@ model:
   vae: tiny-random
   dtype: {dtype}
   quantize: {quantize}
-  max_sequence_length: 32
+  max_sequence_length: {text_tokens}
 data:
   synthetic: {{num_prompts: 2, size: {resolution}}}
   resolution: {resolution}
@@ -225,12 +275,21 @@ export:
 """
 
 
-def train(args, tmp: Path, device: str) -> dict:
+TRAIN_TEXT_TOKENS = 32
+# Matmul FLOPs of a LoRA step per forward's: the forward, its recompute (full activation
+# checkpointing) and the backward to the activations (the frozen base has no weight gradients;
+# attention's backward, twice its forward, and the rank-32 LoRA's are left out: an estimate).
+TRAIN_FLOPS_PER_FORWARD = 3
+
+
+def train(args, tmp: Path, device: str, machine: dict) -> dict:
+    from roofline import conditioning_flops, roofline, step_flops
+
     out = tmp / "run"
     config = tmp / "train.yaml"
     config.write_text(TRAIN_CONFIG.format(out=out, checkpoint=args.checkpoint, text_encoder=tmp / "text_encoder",
                                           dtype="float32" if device == "cpu" else "bfloat16", quantize=args.quantize,
-                                          resolution=args.resolution, steps=args.steps))
+                                          resolution=args.resolution, steps=args.steps, text_tokens=TRAIN_TEXT_TOKENS))
     plan = _plan_bytes(_krea2("train", str(config), "--dry-run", log=tmp / "plan.log"))
     text = _krea2("train", str(config), log=tmp / "train.log")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -242,8 +301,14 @@ def train(args, tmp: Path, device: str) -> dict:
         raise SystemExit(f"no LoRA export under {out}")
     quantized = int(re.search(r"transformer: (\d+) bytes", text).group(1))
     # the first step also builds the optimizer state and warms up: the last step is the steady one
-    return dict(plan_host_bytes=plan, quantized_transformer_bytes=quantized, seconds_per_step=float(rows[-1]["step_time"]),
-                losses=losses, exports=exports)
+    seconds = float(rows[-1]["step_time"])
+    # text counted at max_sequence_length, as the dry-run plan does (an upper bound for shorter prompts)
+    config, image_tokens = machine["config"], (args.resolution // 16) ** 2
+    flops = TRAIN_FLOPS_PER_FORWARD * (step_flops(config, image_tokens, TRAIN_TEXT_TOKENS)
+                                       + conditioning_flops(config, TRAIN_TEXT_TOKENS))
+    dtype = "float32" if device == "cpu" else "bfloat16"
+    return dict(plan_host_bytes=plan, quantized_transformer_bytes=quantized, seconds_per_step=seconds,
+                losses=losses, exports=exports, **roofline(flops, seconds, dtype, machine))
 
 
 def main(argv=None) -> int:
@@ -251,17 +316,20 @@ def main(argv=None) -> int:
     args.checkpoint = args.checkpoint.resolve()
     tmp = Path(tempfile.mkdtemp(prefix="krea2-full-size-"))
     try:
-        device_name = prepare(args.checkpoint, tmp / "text_encoder")
-        device = "cpu" if device_name == "cpu" else "cuda"
+        machine = prepare(args.checkpoint, tmp / "text_encoder")
+        device = "cpu" if machine["device"] == "cpu" else "cuda"
         with TreePeak() as peak:
-            result = (generate if args.mode == "generate" else train)(args, tmp, device)
+            result = (generate if args.mode == "generate" else train)(args, tmp, device, machine)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    result = dict(peak_host_bytes=peak.peak, device=device_name, **result)
+    result = dict(peak_host_bytes=peak.peak, max_hwm_bytes=peak.max_hwm, device=machine["device"],
+                  threads=machine["threads"], **result)
     print(json.dumps(result, indent=2))
     result.update(peak_at_seconds=peak.peak_at, host_timeline=peak.timeline)
-    print(f"{args.mode} {args.quantize}: peak host {peak.peak / GIB:.2f} GiB (plan {result['plan_host_bytes'] / GIB:.2f}), "
+    print(f"{args.mode} {args.quantize}: peak host {peak.peak / GIB:.2f} GiB sampled, {peak.max_hwm / GIB:.2f} GiB "
+          f"largest process high-water mark (plan {result['plan_host_bytes'] / GIB:.2f}), "
           f"quantized transformer {result['quantized_transformer_bytes'] / GIB:.2f} GiB, {result['seconds_per_step']:.1f} s/step")
+    print(describe(result, "float32" if device == "cpu" else "bfloat16"))
     if args.json:
         from krea2_diffusers.files import atomic_write
 

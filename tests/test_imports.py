@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("krea2_diffusers", "finetune", "curation", "comfy_nodes")
+PACKAGES = ("krea2_diffusers", "finetune", "curation", "comfy_nodes", "train_tab")
 
 
 def _modules() -> dict[str, Path]:
@@ -110,6 +110,17 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_cycle_finder_finds_a_circle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_every_package_is_installed_and_checked():
+    """Each top-level package of the checkout is in pyproject's install list and in PACKAGES (a
+    package missing from the first is absent from a wheel; from the second, unchecked here)."""
+    import tomllib
+
+    on_disk = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert {pattern.rstrip("*") for pattern in include} == on_disk
+    assert set(PACKAGES) == on_disk
 
 
 def test_no_import_circle_between_the_projects_modules():

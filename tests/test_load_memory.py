@@ -5,7 +5,11 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
+from krea2_diffusers import Krea2Transformer2DModel
+from krea2_diffusers.loaders.quantized import planned_transformer_bytes
+from krea2_diffusers.models.tiny import proportioned_transformer_config, save_random_original_file
 from krea2_diffusers.quantization.bnb_packing import CHUNK_WEIGHTS
 
 # Full head size, fewer/narrower blocks: ~402M parameters, ~0.8 GB in bf16.
@@ -97,8 +101,8 @@ print(baseline, peak, stored, block, ",".join(kinds))
 """
 
 
-# fp8 only in CI: int8 and NF4 quantize 8-20 M weights/s on two CPU cores (bitsandbytes' kernels),
-# 25-80 s for this file; measured by hand with the same bound: growth int8 0.586 GB, NF4 0.396 GB <= 0.609 GB.
+# fp8 here; int8 and NF4 below on a thinner file: they quantize 6-20 M weights/s on two CPU cores
+# (NF4's time is torch.bucketize's), 25-80 s for this file.
 @pytest.mark.parametrize("quantization,layer", [("fp8", "Fp8Linear")])
 def test_streamed_quantized_load_never_holds_the_full_precision_model(medium_file, quantization, layer):
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(MEASURE_QUANTIZED), str(medium_file), quantization],
@@ -114,3 +118,44 @@ def test_streamed_quantized_load_never_holds_the_full_precision_model(medium_fil
     # Every mode quantizes row chunk by row chunk (fp8.quantize_weight, bnb_packing): ~13 bytes a weight of one chunk on top.
     temporaries = 13 * CHUNK_WEIGHTS
     assert growth <= QUANTIZED_SLACK * (int(stored) + block_bytes) + temporaries
+
+
+# int8 / NF4: the block matrices are 95% of this file (of the medium one, a third), so the load is
+# mostly block streaming: ~160 M weights, a few seconds to quantize.
+THIN = proportioned_transformer_config(num_layers=12, heads=8, head_dim=128)
+
+
+@pytest.fixture(scope="module")
+def thin_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("thin") / "krea2-thin.safetensors"
+    save_random_original_file(path, THIN, seed=0, dtype=torch.bfloat16)
+    return path
+
+
+# NF4's peak varies from run to run with nothing changed (hash seed fixed or not): 149-229 MB against
+# a plan of 155 MB here, up to 1.48x, half the runs at ~0.96x. Within one block the quantizer's chunk
+# temporaries, freed between the packed weights, stay resident as heap holes until the block's trim
+# (the first block's quantization alone adds ~80 MB on its 27 MB; quantization/, not this loader).
+# NF4 is held to the property the plan exists for: never the full-precision model (the file, 342 MB)
+# on top of the baseline.
+@pytest.mark.parametrize("quantization,layer,within_plan", [("int8", "Int8Linear", True), ("nf4", "Linear4bit", False)])
+def test_streamed_bnb_load_peaks_within_its_plan(thin_file, quantization, layer, within_plan):
+    """The peak above baseline is at most the plan's resident bytes plus its loading transient (one
+    block in bf16 + the quantizer's temporaries of one chunk), with QUANTIZED_SLACK for the allocator
+    and the reader; that bound is below the file's size, so a load holding the full-precision
+    model fails it. Before the loader trimmed the heap after each block, the freed bf16 matrices
+    stayed resident in holes between the packed weights: int8 grew 272-281 MB, 1.16-1.20x the plan
+    (after: 219-245 MB, at most 1.05x), NF4 up to 324 MB, 2.1x."""
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(MEASURE_QUANTIZED), str(thin_file), quantization],
+                         check=True, capture_output=True, text=True)
+    baseline_kb, peak_kb, stored, _, kinds = out.stdout.split()
+    growth = (int(peak_kb) - int(baseline_kb)) * 1024
+    resident, loading = planned_transformer_bytes(Krea2Transformer2DModel, THIN, quantization, torch.bfloat16)
+    bound = QUANTIZED_SLACK * (resident + loading)
+    file_bytes = thin_file.stat().st_size
+    print(f"{quantization}: file {file_bytes / 1e6:.0f} MB, plan {resident / 1e6:.0f} + {loading / 1e6:.0f} MB, "
+          f"peak growth {growth / 1e6:.0f} MB = {growth / (resident + loading):.2f}x the plan")
+    assert kinds.split(",") == [layer]  # the block matrices really are quantized
+    assert int(stored) == resident
+    assert bound < file_bytes
+    assert growth <= (bound if within_plan else file_bytes)

@@ -77,14 +77,14 @@ def build(config: dict, fmt: str, device: torch.device) -> nn.Module:
                 parent, _, attr = name.rpartition(".")
                 packed = random_packed(PACKED[fmt], module.out_features, module.in_features, device)
                 setattr(model.get_submodule(parent), attr, PackedLinear(module.in_features, module.out_features, PACKED[fmt], packed))
-    keep_fp32 = set(model._keep_in_fp32_modules)
+    keep_fp32 = set(model._keep_in_fp32_modules)  # diffusers' ModelMixin class attribute (its API for model classes)
     for name, param in list(model.named_parameters()):
         if not param.is_meta:
             continue
         dtype = torch.float32 if any(p in keep_fp32 for p in name.split(".")[:-1]) else torch.bfloat16
         value = torch.empty(param.shape, dtype=dtype, device=device).normal_(0, WEIGHT_STD)
         parent, _, attr = name.rpartition(".")
-        model.get_submodule(parent)._parameters[attr] = nn.Parameter(value, requires_grad=False)
+        setattr(model.get_submodule(parent), attr, nn.Parameter(value, requires_grad=False))
     return model.eval()
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..files import CheckpointError, read_bytes_into
+from ..heap import release_freed_memory, trim_heap
 from ..quantization.bnb import BNB_MODES, TRANSFORMER_KEEP, keep_filter
 from ..quantization.bnb_packing import CHUNK_WEIGHTS
 from .meta import check_state_dict_shapes
@@ -33,12 +34,6 @@ _FP32_SUFFIXES = (".norm.weight", ".norm1.weight", ".norm2.weight", ".norm_q.wei
 def check_quantization(quantization: str | None) -> None:
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={quantization!r}: choose one of {', '.join(QUANTIZATIONS)} (or None)")
-
-
-def is_quantized(module: nn.Module) -> bool:
-    """True when ``module`` already holds packed weights (fp8, bitsandbytes, GGUF): nothing to quantize."""
-    return any(p.dtype in (torch.uint8, torch.int8) or type(p).__name__ in ("Params4bit", "Int8Params")
-               for p in module.parameters())
 
 
 def quantize_storage_(module: nn.Module, mode: str, compute_dtype: torch.dtype) -> int:
@@ -130,12 +125,13 @@ def load_quantized_transformer(cls, path, quantization: str, *, torch_dtype: tor
             match = _BLOCK.match(names[0])
             if match:  # a whole block: quantize it now, its full-precision matrices are freed
                 quantize_storage_(model.get_submodule(match.group(1)), quantization, compute)
+                # and handed back: glibc keeps them in the heap between the packed weights allocated
+                # since, which no later block's matrices fit (a 12-block model peaked at 2.1x the plan).
+                trim_heap()
     finally:
         for handle in handles.values():
             handle.close()
     quantize_storage_(model, quantization, compute)  # any matrix outside the blocks (none in Krea 2 today)
-    from ..heap import release_freed_memory
-
     release_freed_memory()  # the last blocks' full-precision buffers sit freed in the heap
     return model.eval()
 
