@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -45,6 +46,9 @@ def sample_generator(seed: int, step: int, position: int) -> torch.Generator:
 
 def open_stage_pack(stage: StageConfig) -> PackReader:
     """The stage's pack, refused when it was made for another batch size or resolution."""
+    if not Path(stage.data).is_dir():  # e.g. an example run before its `krea2 pack` commands
+        raise ConfigError(f"stage {stage.name!r}: pack {stage.data!r} is not a folder; write it first with "
+                          f"`krea2 pack SOURCE {stage.data} --resolution {stage.resolution} --batch-size {stage.batch_size}`")
     try:
         reader = PackReader(stage.data)
     except PackError as err:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from ..cli import allow_intermixed
+from ..stop import STOPPED_CODE, StopRequest
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -38,6 +39,12 @@ def _world_size() -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    """A stop (SIGTERM / SIGINT, in any phase: :mod:`finetune.stop`) ends it with 130 before the last step, 0 after."""
+    with StopRequest() as stop:  # first thing: from here on a stop is a stop, never a kill
+        return _run(args, stop)
+
+
+def _run(args: argparse.Namespace, stop: StopRequest) -> int:
     from .config import load_pretrain_config
 
     overrides = list(args.overrides)
@@ -56,8 +63,17 @@ def run(args: argparse.Namespace) -> int:
 
         print_plan(config, _world_size())
         return 0
+    if stop.requested:  # while the command started: nothing was trained, nothing to save
+        print("stopped before training started", file=sys.stderr)
+        return STOPPED_CODE
+    from krea2_diffusers.cpu_threads import choose_cpu_threads
+
     from ..trainer import NonFiniteLossError
+    from .architecture import transformer_config
     from .trainer import pretrain
+
+    architecture = transformer_config(config.model)
+    choose_cpu_threads(width=architecture["num_attention_heads"] * architecture["attention_head_dim"])
 
     try:
         result = pretrain(config, resume=args.resume)
@@ -66,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         return 3
     if result.interrupted:
         print(f"stopped at step {result.final_step}; continue with --resume", file=sys.stderr)
-        return 130
+        return STOPPED_CODE
     return 0
 
 

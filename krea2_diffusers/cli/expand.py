@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 from pathlib import Path
 
 from ..conditioning.expander import (
@@ -12,6 +14,12 @@ from ..models.tiny import TINY_LABEL, is_tiny
 
 # What single-file transformer checkpoints are paired with (see Krea2Pipeline.from_single_file).
 DEFAULT_TEXT_ENCODER = "Qwen/Qwen3-VL-4B-Instruct"
+# tiny-random's random LM never samples an end token, so it always wrote the full default of 512
+# tokens of noise (106 s on a busy 2-core machine with torch's 2 threads, 16 s of CPU single-threaded);
+# 32 tokens prove the plumbing as well.
+TINY_MAX_NEW_TOKENS = 32
+# A progress line on stderr every this many sampled tokens.
+PROGRESS_EVERY = 64
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -26,7 +34,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--creativity", choices=CREATIVITY_LEVELS, default=DEFAULT_CREATIVITY,
                    help="raw = as written; low / medium / high expand increasingly freely")
     p.add_argument("--seed", type=int, default=DEFAULT_EXPANSION_SEED, help="same seed, same expansion (default 0)")
-    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"cap on the expansion's length (default {DEFAULT_MAX_NEW_TOKENS}; "
+                        f"{TINY_MAX_NEW_TOKENS} for tiny-random, whose random text never ends)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     return p
 
@@ -55,17 +65,52 @@ def resolve_expander(model: str, expander: str | None, text_encoder: str | None,
     return (lm.to(device) if device else lm), tokenizer, model
 
 
+class TokenProgress:
+    """A transformers streamer that prints ``expand: N/MAX tokens (S s)`` to stderr every ``every``
+    sampled tokens of a prompt, so a long expansion on a CPU is visibly alive. The first ``put`` of
+    each generation is the prompt's ids (not counted); ``end`` closes a prompt's generation."""
+
+    def __init__(self, max_new_tokens: int, every: int = PROGRESS_EVERY, stream=None):
+        self.max_new_tokens, self.every, self.stream = max_new_tokens, every, stream or sys.stderr
+        self.tokens, self.prompt_seen, self.start = 0, False, time.perf_counter()
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.tokens += 1
+        if self.tokens % self.every == 0:
+            print(f"expand: {self.tokens}/{self.max_new_tokens} tokens ({time.perf_counter() - self.start:.0f} s)",
+                  file=self.stream, flush=True)
+
+    def end(self) -> None:
+        self.tokens, self.prompt_seen, self.start = 0, False, time.perf_counter()
+
+
+def max_new_tokens_for(args) -> int:
+    """``--max-new-tokens``, else the default for the LM that expands (tiny-random's is short)."""
+    if args.max_new_tokens is not None:
+        return args.max_new_tokens
+    tiny = is_tiny(args.expander) if args.expander is not None else is_tiny(args.model)
+    return TINY_MAX_NEW_TOKENS if tiny else DEFAULT_MAX_NEW_TOKENS
+
+
 def run(args) -> int:
     import torch
+
+    from ..cpu_threads import choose_cpu_threads
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.creativity == "raw":
         print(args.prompt)  # raw is the identity: no model is loaded
         return 0
+    # The LM that runs: --expander, tiny-random's own, else a Qwen3-VL text encoder (wide: threads stay torch's).
+    choose_cpu_threads(args.expander or (args.model if is_tiny(args.model) else args.text_encoder or DEFAULT_TEXT_ENCODER))
     lm, tokenizer, label = resolve_expander(args.model, args.expander, args.text_encoder, device)
     if label == TINY_LABEL:
         print(f"model: {label}")
+    max_new_tokens = max_new_tokens_for(args)
     (expanded,) = expand_prompts(lm, tokenizer, [args.prompt], creativity=args.creativity, seed=args.seed,
-                                 max_new_tokens=args.max_new_tokens)
+                                 max_new_tokens=max_new_tokens, streamer=TokenProgress(max_new_tokens))
     print(expanded)
     return 0

@@ -193,7 +193,7 @@ def _check_seed(seed) -> None:
 
 def expand_prompts(
     model, tokenizer, prompts: list[str], creativity: str = DEFAULT_CREATIVITY, seed: int | None = DEFAULT_EXPANSION_SEED,
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, streamer=None,
 ) -> list[str]:
     """Expand prompts with a causal LM.
 
@@ -207,6 +207,8 @@ def expand_prompts(
             depend on the rest of the batch; default 0 (reproducible), None samples freshly. The
             global RNG is never disturbed.
         max_new_tokens: cap on the expansion's length in tokens.
+        streamer: a transformers streamer (``put(token_ids)``, ``end()``) shown every prompt's
+            tokens as they are sampled (the prompt's ids first), e.g. for progress.
 
     Returns:
         One expanded prompt per input (the original prompt where the model produced nothing usable).
@@ -221,6 +223,8 @@ def expand_prompts(
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     settings = CREATIVITY_SETTINGS[creativity]
     kwargs = generation_kwargs(model, tokenizer, settings, max_new_tokens)
+    if streamer is not None:
+        kwargs["streamer"] = streamer
     specials = tuple(getattr(tokenizer, "all_special_tokens", ()))
     expanded = []
     for index, prompt in enumerate(prompts):
