@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 CRASH_HOOK = "KREA2_CURATION_CRASH_ON"
 """Test hook (environment): a worker about to probe a URI ending with this value kills itself
 with SIGKILL, as a decoder segfault or the OOM killer would (tests/test_curation_faults.py)."""
+DELAY_HOOK = "KREA2_CURATION_PROBE_DELAY_S"
+"""Test hook (environment): seconds a worker waits after probing a batch, before writing it, so
+that a test can catch workers holding claims with a small corpus (tests/test_curation_faults.py)."""
 HANDS_OFF = ("filter", "dedup")
 """Jobs that take a batch straight from their upstream job's write (probe -> filter -> dedup)."""
 
@@ -48,6 +51,7 @@ class ProbeJob(ScreeningJob):
         outcomes = []
         self.decoded.clear()
         crash_on = os.environ.get(CRASH_HOOK)
+        delay = float(os.environ.get(DELAY_HOOK) or 0)
         for row in rows:
             if crash_on and row["uri"].endswith(crash_on):
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -55,6 +59,8 @@ class ProbeJob(ScreeningJob):
             outcomes.append(outcome)
             if small is not None and hand_off == "filter":
                 self.decoded.keep(row["id"], small)
+        if delay > 0:
+            time.sleep(delay)
         handed = warehouse.write("probe", outcomes, hand_off=hand_off)
         if hand_off != "filter":
             self.decoded.clear()
