@@ -69,7 +69,7 @@ def transformer_weights(config: ModelConfig):
     if is_tiny(name):
         from krea2_diffusers.models.tiny import tiny_components
 
-        transformer = tiny_components()["transformer"]
+        transformer = tiny_components(tokenizer=False)["transformer"]
         return _plain_config(transformer), MemoryWeights(transformer.state_dict())
     transformer_config, locations = locate_transformer_tensors(name)
     return transformer_config, FileWeights(locations)

@@ -26,6 +26,10 @@ from curation.synthetic import make_corpus
 from curation_warehouse import FAST_QUEUE, REPO, database, query, server  # noqa: F401 (server: a fixture)
 from krea2_diffusers.cli import main as krea2
 
+# The in-process jobs run tiny models (captions, embeddings): one thread (conftest.one_thread; with 2 threads
+# a busy 2-core machine spends most of the time synchronising them).
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def _cli_raw(capsys, *argv) -> tuple[int, str, str]:
     capsys.readouterr()

@@ -3,6 +3,7 @@ or the image change, and its text entries equal what the pipeline encodes."""
 
 from pathlib import Path
 
+import pytest
 import torch
 from PIL import Image
 
@@ -10,6 +11,10 @@ from finetune.data.buckets import make_buckets, nearest_bucket
 from finetune.data.cache import build_cache
 from finetune.data import make_synthetic_dataset, scan_dataset
 from krea2_diffusers import Krea2Pipeline
+
+# Tiny models: one thread (conftest.one_thread; with 2 threads a busy 2-core machine spends most of the
+# time synchronising them).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _build(pipe, folder: Path, cache: Path, max_sequence_length: int = 512):

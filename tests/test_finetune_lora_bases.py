@@ -2,9 +2,11 @@
 random model in the original single-file layout, shaped so that ComfyUI's native loader can build
 its blocks (one 128-wide head, as ComfyUI's Krea 2 requires; 2 blocks; 0.7 M parameters).
 
-Per base: a real ``python -m finetune`` process trains with validation on (samples at step 4,
-after the step-4 checkpoint) and is killed with SIGKILL at step 7; ``--resume`` redoes steps 5-7
-with the same losses, validates again and exports the three LoRA files. The checkpoint holds the
+Per base: a run trains with validation on (samples at step 4, after the step-4 checkpoint) and dies
+after step 7 without saving anything more: one base (``KILLED``) is a real ``python -m finetune``
+process killed with SIGKILL, the others die in-process (an exception right after step 7 is logged;
+one kill -9 covers the mechanism, the resume is what each base needs). ``--resume`` redoes steps
+5-7 with the same losses, validates again and exports the three LoRA files. The checkpoint holds the
 adapters and their optimizer state only (never a quantized layer's packed weight or quantization
 state), and so do the exports; they load in a plain bf16 pipeline, lower its loss on fixed noise
 like the bf16 base's LoRA does (measured outside the trainer), and load in a real ComfyUI's native
@@ -28,9 +30,10 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+import finetune.trainer
 from finetune.config import ConfigError, build_config
 from finetune.engine.checkpoint import latest_checkpoint
-from finetune.metrics import read_metrics
+from finetune.metrics import MetricsLogger, read_metrics
 from finetune.trainer import Trainer
 from krea2_diffusers.models.tiny import save_random_original_file
 from lora_checks import comfy_model_config, comfy_patched, fixed_batch_loss
@@ -38,6 +41,7 @@ from lora_checks import comfy_model_config, comfy_patched, fixed_batch_loss
 ROOT = Path(__file__).resolve().parents[1]
 BASES = ("none", "fp8", "int8", "nf4")
 MAX_STEPS, EVERY, KILL_AT = 12, 4, 7
+KILLED = "nf4"  # the base whose run is a real process killed with SIGKILL (the most state to rebuild)
 # What a quantized layer keeps besides its adapters: never in a checkpoint or an export.
 QUANT_STATE = re.compile(r"weight_scale|absmax|quant_map|quant_state|nested_|SCB|weight_format|\.base_layer\.")
 QUANTIZED_LAYER = {"fp8": "Fp8Linear", "int8": "Int8Linear", "nf4": "Linear4bit"}
@@ -63,38 +67,63 @@ def run_config(root: Path, model: Path, quantize: str) -> dict:
     }
 
 
+class DiedAfterStep(Exception):
+    """The in-process stand-in for a kill: raised right after a step's metrics row is written."""
+
+
+class DyingMetricsLogger(MetricsLogger):
+    def log(self, step: int, *args, **kwargs) -> None:
+        super().log(step, *args, **kwargs)
+        if step == KILL_AT:
+            raise DiedAfterStep(step)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """``runs(quantize)`` -> (trainer, killed run's metrics rows, last checkpoint step at the kill,
-    resumed result). All four bases are killed by one worker process (one interpreter start, the
-    runs one after the other: the first fills the shared feature cache), then each resumes here on
-    first use."""
+    """``runs(quantize)`` -> (trainer, died run's metrics rows, last checkpoint step when it died,
+    resumed result). ``KILLED``'s run is a worker process (tests/sigkill_runs.py) killed with SIGKILL
+    while the other bases' runs die in-process here, at the same time (its own feature cache: the
+    two sides never write one together); each resumes here on first use."""
     root = tmp_path_factory.mktemp("bases")
     model = root / "krea2_tiny_comfy.safetensors"
     save_random_original_file(model, comfy_model_config(), seed=0)
-    paths = []
-    for quantize in BASES:
-        path = root / f"{quantize}.yaml"
-        path.write_text(yaml.safe_dump(run_config(root, model, quantize)))
-        paths.append(str(path))
+    killed_config = run_config(root, model, KILLED)
+    killed_config["data"]["cache_dir"] = str(root / "cache-killed")
+    path = root / f"{KILLED}.yaml"
+    path.write_text(yaml.safe_dump(killed_config))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "sigkill_runs.py"), str(KILL_AT), *paths], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    killed = {}
-    for line, quantize in zip(done.stdout.splitlines(), BASES):
-        report = json.loads(line)
-        out = root / quantize
-        assert report["signal"] == 9, f"{quantize}: the run was not killed mid-run: {report}\n{done.stderr[-3000:]}"
-        rows = read_metrics(out)
-        last = latest_checkpoint(out / "checkpoints")
-        killed[quantize] = (rows, int(last.name.split("-")[1]) if last else 0)
+    out, log = root / "worker.out", root / "worker.log"  # files, not pipes: nobody reads while the runs here train
+    with open(out, "w") as stdout, open(log, "w") as stderr:
+        worker = subprocess.Popen([sys.executable, str(ROOT / "tests" / "sigkill_runs.py"), str(KILL_AT), str(path)],
+                                  cwd=ROOT, env=env, stdout=stdout, stderr=stderr)
+    died = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # module-scoped: set up before the function-scoped one_thread fixture
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(finetune.trainer, "MetricsLogger", DyingMetricsLogger)
+            for quantize in BASES:
+                if quantize != KILLED:
+                    with pytest.raises(DiedAfterStep):
+                        Trainer(build_config(run_config(root, model, quantize))).train()
+    finally:
+        torch.set_num_threads(threads)
+        worker.wait(timeout=900)
+    stdout, stderr = out.read_text(), log.read_text()
+    assert worker.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    report = json.loads(stdout.splitlines()[-1])
+    assert report["signal"] == 9, f"{KILLED}: the run was not killed mid-run: {report}\n{stderr[-3000:]}"
+    for quantize in BASES:
+        rows = read_metrics(root / quantize)
+        last = latest_checkpoint(root / quantize / "checkpoints")
+        died[quantize] = (rows, int(last.name.split("-")[1]) if last else 0)
     cache = {}
 
     def get(quantize: str):
         if quantize not in cache:
-            trainer = Trainer(build_config(run_config(root, model, quantize)), resume=True)
-            cache[quantize] = (trainer, *killed[quantize], trainer.train())
+            config = killed_config if quantize == KILLED else run_config(root, model, quantize)
+            trainer = Trainer(build_config(config), resume=True)
+            cache[quantize] = (trainer, *died[quantize], trainer.train())
         return cache[quantize]
 
     get.model = model
@@ -103,7 +132,7 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("quantize", BASES)
-def test_lora_base_trains_checkpoints_resumes_after_kill_9_validates_and_exports(runs, quantize):
+def test_lora_base_trains_checkpoints_dies_resumes_validates_and_exports(runs, quantize):
     trainer, killed_rows, checkpoint_step, result = runs(quantize)
     out = result.output_dir
     blocks = trainer.pipe.transformer.transformer_blocks
@@ -118,7 +147,7 @@ def test_lora_base_trains_checkpoints_resumes_after_kill_9_validates_and_exports
                    for k in f.keys() if k.startswith("blocks."))
     low, high = RESIDENT_SHARE[quantize]
     assert low < resident / fp32 < high, (quantize, resident / fp32)
-    # kill -9 after step 7: the step-4 checkpoint is resumed and steps 5-7 come out the same.
+    # Died after step 7 (kill -9 or in-process): the step-4 checkpoint is resumed and steps 5-7 come out the same.
     assert checkpoint_step == EVERY and len(killed_rows) >= KILL_AT > checkpoint_step
     assert not result.interrupted and result.final_step == MAX_STEPS
     resumed = {r["step"]: r["loss"] for r in read_metrics(out)}
@@ -128,7 +157,7 @@ def test_lora_base_trains_checkpoints_resumes_after_kill_9_validates_and_exports
     torch.testing.assert_close(torch.tensor([resumed[r["step"]] for r in redone]), torch.tensor([r["loss"] for r in redone]),
                                rtol=1e-5, atol=1e-6)
 
-    # Validation with the quantized base: samples from the killed run (step 4) and the resumed one.
+    # Validation with the quantized base: samples from the run that died (step 4) and the resumed one.
     for step in (EVERY, MAX_STEPS):
         image = np.asarray(Image.open(out / "samples" / f"step-{step:06d}" / "raw-00.png")).astype(float)
         assert image.shape == (32, 32, 3) and image.std() > 0

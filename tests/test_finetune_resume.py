@@ -1,6 +1,6 @@
 """Interrupted runs resume exactly: after ``kill -9`` (from the last checkpoint) and after SIGTERM
 (which writes a checkpoint first), the following losses and the final LoRA equal an uninterrupted
-run's. Real subprocesses, real signals."""
+run's. Real subprocesses, real signals (the two interrupted runs side by side: their start-up overlaps)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,10 @@ from finetune.metrics import read_metrics
 from finetune.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_STEPS = 40
+# Checkpoints every 4 steps; the kill -9 comes after step 10 (8 is the last checkpoint), SIGTERM after
+# step 6: 16 steps leave 6 steps' margin for the kill to land before the run ends.
+MAX_STEPS = 16
+KILL_AT, TERM_AT = 10, 6
 
 
 def _config(out: Path, cache: Path) -> dict:
@@ -50,17 +53,23 @@ def _start(config: dict, folder: Path) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _wait_for_step(process: subprocess.Popen, out: Path, step: int, timeout: float = 120) -> None:
+def _signal_at_step(processes: dict, steps: dict, signals: dict, timeout: float = 240) -> None:
+    """Send ``signals[out]`` to ``processes[out]`` as soon as the run writing to ``out`` logged
+    ``steps[out]`` steps (the runs polled together)."""
     deadline = time.time() + timeout
-    while time.time() < deadline:
-        metrics = out / "metrics.jsonl"
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= step:
-            return
-        if process.poll() is not None:
-            pytest.fail(f"training ended before step {step}:\n{process.stdout.read()[-3000:]}")
-        time.sleep(0.01)
-    process.kill()
-    pytest.fail(f"no step {step} within {timeout}s")
+    waiting = dict(processes)
+    while waiting and time.time() < deadline:
+        for out, process in list(waiting.items()):
+            metrics = out / "metrics.jsonl"
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= steps[out]:
+                process.send_signal(signals[out])
+                del waiting[out]
+            elif process.poll() is not None:
+                pytest.fail(f"training ended before step {steps[out]}:\n{process.stdout.read()[-3000:]}")
+        time.sleep(0.005)
+    for process in waiting.values():
+        process.kill()
+    assert not waiting, f"no step {[steps[out] for out in waiting]} within {timeout}s"
 
 
 def _losses(out: Path) -> list[float]:
@@ -77,25 +86,22 @@ def test_resume_after_kill_9_and_after_sigterm_equals_uninterrupted(tmp_path):
     expected_lora = load_file(str(tmp_path / "reference" / "lora_diffusers.safetensors"))
 
     # kill -9: nothing is saved on the way out; resume from the last periodic checkpoint.
-    killed = tmp_path / "killed"
-    killed.mkdir()
-    process = _start(_config(killed, cache), killed)
-    _wait_for_step(process, killed, 10)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert process.returncode == -signal.SIGKILL
+    # SIGTERM: a checkpoint at the current step, then exit 130.
+    killed, termed = tmp_path / "killed", tmp_path / "termed"
+    processes = {}
+    for out in (killed, termed):
+        out.mkdir()
+        processes[out] = _start(_config(out, cache), out)
+    _signal_at_step(processes, {killed: KILL_AT, termed: TERM_AT}, {killed: signal.SIGKILL, termed: signal.SIGTERM})
+
+    processes[killed].wait()
+    assert processes[killed].returncode == -signal.SIGKILL
     assert len(read_metrics(killed)) < MAX_STEPS, "the run finished before it was killed"
     last = max(int(p.name.split("-")[1]) for p in (killed / "checkpoints").glob("step-*"))
     assert 8 <= last < MAX_STEPS
 
-    # SIGTERM: a checkpoint at the current step, then exit 130.
-    termed = tmp_path / "termed"
-    termed.mkdir()
-    process = _start(_config(termed, cache), termed)
-    _wait_for_step(process, termed, 6)
-    process.send_signal(signal.SIGTERM)
-    output, _ = process.communicate(timeout=120)
-    assert process.returncode == 130, output[-2000:]
+    output, _ = processes[termed].communicate(timeout=120)
+    assert processes[termed].returncode == 130, output[-2000:]
     stopped = read_metrics(termed)[-1]["step"]
     assert stopped < MAX_STEPS and (termed / "checkpoints" / f"step-{stopped}").is_dir()
 

@@ -86,12 +86,16 @@ def _fresh_pipe():
     return pipe
 
 
-def _as_trained(trainer):
-    """The trained transformer (adapter live) in a fresh pipeline: the trainer drops its encoders
-    after caching when no validation samples need them."""
-    pipe = _fresh_pipe()
+def _generate_as_trained(trainer, pipe, prompts):
+    """What the trained transformer (adapter live) generates in ``pipe`` (a fresh pipeline: the trainer
+    drops its encoders after caching when no validation samples need them); ``pipe`` keeps its own
+    transformer afterwards."""
+    own = pipe.transformer
     pipe.register_modules(transformer=trainer.pipe.transformer)
-    return pipe
+    try:
+        return _generate(pipe, prompts)
+    finally:
+        pipe.register_modules(transformer=own)
 
 
 def test_lora_learns_a_distinct_image_per_prompt(trained):
@@ -145,8 +149,8 @@ def test_three_exported_files_load_back_with_identical_effect(trained):
     trainer, result = trained
     files = {fmt: result.output_dir / f"lora_{fmt}.safetensors" for fmt in ("diffusers", "comfyui", "kohya")}
     assert set(result.exported) == set(files.values())
-    reference = _generate(_as_trained(trainer), ["red", "green grass, 1998"])  # the model as trained, adapter live
     pipe = _fresh_pipe()
+    reference = _generate_as_trained(trainer, pipe, ["red", "green grass, 1998"])  # the model as trained, adapter live
     for fmt, path in files.items():
         tensors, meta = read_lora_file(path)
         assert meta["krea2.format"] == fmt and meta["krea2.base_model"] == "tiny-random"
@@ -309,10 +313,12 @@ def test_gradient_checkpointing_block_swap_and_dora(tmp_path):
     base = {"training.max_steps": 3, "validation.prompts": [], "model.turbo_model_name_or_path": None,
             "checkpointing.every_n_steps": 0, "logging.tensorboard": False}
     plain = train(build_config(lora_config(tmp_path / "plain", tmp_path / "cache", **base)))
+    # Block swap: on the CPU the copies are no-ops, the hooks and saved-tensor packing still run. The two
+    # are independent wrappers (prepare_blocks, then BlockOffloader): one run per checkpointing mode, block
+    # swap on in two of them (one of two blocks swapped beside selective checkpointing, whose unchecked
+    # parts still save tensors; both blocks beside full checkpointing).
     variants = {"full": {"training.activation_checkpointing": "full"},
-                "selective": {"training.activation_checkpointing": "selective"},
-                # Block swap: on the CPU the copies are no-ops, the hooks and saved-tensor packing still run.
-                "offload": {"training.offload_blocks": 1},
+                "selective-offload": {"training.activation_checkpointing": "selective", "training.offload_blocks": 1},
                 "offload-full": {"training.offload_blocks": 2, "training.activation_checkpointing": "full"}}
     for name, overrides in variants.items():
         ckpt = train(build_config(lora_config(tmp_path / name, tmp_path / "cache", **base, **overrides)))
@@ -324,7 +330,7 @@ def test_gradient_checkpointing_block_swap_and_dora(tmp_path):
     tensors, _ = read_lora_file(result.exported[0])
     assert any(k.endswith(".lora_magnitude_vector") for k in tensors)
     assert trainer.pipe.text_encoder is None and trainer.pipe.vae is None  # no validation: freed before the transformer loaded
-    reference = _generate(_as_trained(trainer), ["red"])
     pipe = _fresh_pipe()
+    reference = _generate_as_trained(trainer, pipe, ["red"])
     pipe.load_lora_weights(result.exported[0])
     torch.testing.assert_close(_generate(pipe, ["red"]), reference, rtol=1e-4, atol=1e-5)

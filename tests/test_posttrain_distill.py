@@ -55,8 +55,19 @@ def samples(pipe, steps, guidance, prompt, first_seed) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory) -> str:
     """A diffusers folder: tiny-random with its transformer fully fine-tuned on 8 noisy flat images
-    per (prompt, colour), captions dropped 20% of the time so CFG has an unconditional branch."""
-    root = tmp_path_factory.mktemp("teacher")
+    per (prompt, colour), captions dropped 20% of the time so CFG has an unconditional branch.
+    One thread, like the tests: a module fixture is set up before the function-scoped
+    ``one_thread`` applies, and 2 threads on these tiny matrices made each step ~15x slower on a
+    busy 2-core machine (synchronisation, not work)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train_teacher(tmp_path_factory.mktemp("teacher"))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_teacher(root) -> str:
     data = root / "data"
     data.mkdir()
     rng = np.random.default_rng(0)

@@ -1,4 +1,5 @@
-"""``kill -9`` then ``--resume`` for each post-training method: real subprocesses, real SIGKILL.
+"""``kill -9`` then ``--resume`` for each post-training method: real processes (forked from one interpreter,
+tests/sigkill_runs.py), real SIGKILL.
 
 The killed run logged a few steps past its last checkpoint before it died; the resumed run must
 recompute exactly those steps (same loss, same method metrics), then finish and export.
@@ -6,11 +7,11 @@ recompute exactly those steps (same loss, same method metrics), then finish and 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,9 @@ from finetune.posttrain.run import posttrain
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
-MAX_STEPS = 8
+# Checkpoints every 3 steps: killed after step 4 (3 is the last checkpoint), the resumed run redoes step 4
+# and ends at the step-6 checkpoint.
+MAX_STEPS = 6
 KILL_AFTER = 4
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -61,37 +64,23 @@ def _configs(tmp: Path) -> dict[str, dict]:
     }
 
 
-def _kill_each_after(processes: dict, outs: dict, rows: int, timeout: float = 900) -> None:
-    """SIGKILL each process as soon as its metrics.jsonl has ``rows`` rows (all polled together)."""
-    deadline = time.time() + timeout
-    running = dict(processes)
-    while running and time.time() < deadline:
-        for method, process in list(running.items()):
-            metrics = outs[method] / "metrics.jsonl"
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= rows:
-                process.send_signal(signal.SIGKILL)
-                process.wait()
-                assert process.returncode == -signal.SIGKILL
-                del running[method]
-            elif process.poll() is not None:
-                pytest.fail(f"{method} ended before step {rows}:\n{process.stdout.read()[-3000:]}")
-        time.sleep(0.005)
-    for process in running.values():
-        process.kill()
-    assert not running, f"no step {rows} within {timeout}s: {sorted(running)}"
-
-
 def test_kill_9_then_resume_continues_each_method_exactly(tmp_path):
     configs = _configs(tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
-    processes = {}
-    for method, config in configs.items():  # all at once: their start-up overlaps
+    paths = []
+    for method, config in configs.items():
         path = tmp_path / f"{method}.yaml"
         path.write_text(yaml.safe_dump(config))
-        processes[method] = subprocess.Popen([sys.executable, "-m", "finetune.posttrain", str(path)], cwd=ROOT, env=env,
-                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        paths.append(str(path))
+    # One interpreter imports once and forks a `python -m finetune.posttrain` run per method, all at once.
+    done = subprocess.run([sys.executable, str(TESTS / "sigkill_runs.py"), "--posttrain", str(KILL_AFTER), *paths], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"config"')]
+    assert [r["config"] for r in reports] == paths, done.stdout[-2000:]
+    for method, report in zip(configs, reports):
+        assert report["signal"] == signal.SIGKILL, f"{method} was not killed mid-run: {report}\n{done.stderr[-3000:]}"
     outs = {method: Path(config["output_dir"]) for method, config in configs.items()}
-    _kill_each_after(processes, outs, KILL_AFTER)
     killed_rows = {method: read_metrics(out) for method, out in outs.items()}
     for method, rows in killed_rows.items():
         assert len(rows) < MAX_STEPS, f"{method} finished before it was killed"

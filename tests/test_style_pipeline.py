@@ -6,6 +6,9 @@ import pytest
 import torch
 
 H = W = 32
+# Tiny models: one thread (conftest.one_thread; with 2 threads a busy 2-core machine spends most of the
+# time synchronising them).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def picture(seed, size=(40, 24)):

@@ -21,7 +21,7 @@ def _is_file(source) -> bool:
 
 def _tiny_part(name: str, torch_dtype):
     """One component of the tiny random pipeline (float32 unless ``torch_dtype``), built fresh."""
-    return tiny_components(torch_dtype=torch_dtype or torch.float32)[name]
+    return tiny_components(torch_dtype=torch_dtype or torch.float32, tokenizer=name == "tokenizer")[name]
 
 
 def load_text_encoder(source, torch_dtype=None, config=None, upcast_fp8=False, **kwargs):

@@ -61,8 +61,10 @@ def randomize_(module: torch.nn.Module, generator: torch.Generator, std: float =
                 param.add_(torch.randn(param.shape, generator=generator) * std)
 
 
-def tiny_components(seed: int = 0, torch_dtype: "torch.dtype | None" = None) -> dict:
-    """The pipeline's components at toy size (float32 unless ``torch_dtype``), deterministic for a seed."""
+def tiny_components(seed: int = 0, torch_dtype: "torch.dtype | None" = None, tokenizer: bool = True) -> dict:
+    """The pipeline's components at toy size (float32 unless ``torch_dtype``), deterministic for a seed.
+    ``tokenizer=False`` leaves the tokenizer out (None): parsing it costs more than the whole toy model,
+    and a caller taking one module does not need it (the weights do not depend on it)."""
     import torch
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
     from transformers import Qwen3VLForConditionalGeneration
@@ -82,7 +84,7 @@ def tiny_components(seed: int = 0, torch_dtype: "torch.dtype | None" = None) -> 
         module.eval()
     return dict(
         scheduler=FlowMatchEulerDiscreteScheduler(**scheduler_config()),
-        vae=vae, text_encoder=text_encoder, tokenizer=qwen_tokenizer(), transformer=transformer,
+        vae=vae, text_encoder=text_encoder, tokenizer=qwen_tokenizer() if tokenizer else None, transformer=transformer,
     )
 
 
