@@ -11,9 +11,11 @@ there, tensor by tensor, if missing. ``generate`` makes one image (2 steps, guid
 transformer forward a step) through ``krea2 generate`` with the transformer stored as fp8 / int8 /
 nf4 (streamed in by block) or as a Q4_K GGUF written by ``krea2 quantize`` (streamed too).
 ``train`` runs ``krea2 train``: LoRA r32 on the quantized base, batch 1, activation checkpointing,
-then the LoRA export. On CPU everything kept in full precision computes in float32 (a 2-thread
-bf16 matmul ran at a third of float32's speed on an earlier machine; with AVX512-BF16 it runs at
-~4x: the roofline line prints both peaks of the machine at hand), on a GPU in bf16.
+then the LoRA export. ``--dtype auto`` (the default) computes in the project's policy's dtype
+(krea2_diffusers/precision.py): bf16 on a GPU and on a CPU with bf16 units (AVX512-BF16 here: ~4x
+float32's matmul rate; an earlier machine without them ran bf16 at a third of float32's), else
+float32; training then runs ``model.dtype`` and ``mixed_precision`` in that dtype. ``--dtype
+float32`` gives the earlier figures.
 
 Measured: the peak anonymous RSS of the process tree (this process and its children, sampled
 every 0.2 s) and the largest per-process high-water mark (``VmHWM`` / ``ru_maxrss``: catches the
@@ -65,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument("--steps", type=int, default=2)
         p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
         p.add_argument("--json", type=Path, default=None)
+        p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                       help="compute dtype; auto: the project's policy (bf16 on CUDA and on CPUs with bf16 units)")
     return parser.parse_args(argv)
 
 
@@ -177,10 +181,13 @@ import json, sys, torch
 sys.path.insert(0, sys.argv[1])
 from roofline import machine_peaks
 from krea2_diffusers import Krea2Transformer2DModel
+from krea2_diffusers.precision import choose_compute_dtype
 cuda = torch.cuda.is_available()
+chosen = choose_compute_dtype("cuda" if cuda else "cpu")
 with torch.device("meta"):
     config = dict(Krea2Transformer2DModel().config)
 print(json.dumps(dict(device=torch.cuda.get_device_name() if cuda else "cpu", config=config,
+                      compute_dtype=str(chosen.dtype).removeprefix("torch."), compute_dtype_reason=chosen.reason,
                       threads=torch.get_num_threads(), **machine_peaks("cuda" if cuda else "cpu"))))
 """
 
@@ -210,7 +217,7 @@ def generate(args, tmp: Path, device: str, machine: dict) -> dict:
     from krea2_diffusers.pipelines.memory import release_text_encoder
     from krea2_diffusers.quantization.gguf import resident_bytes
 
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    dtype = getattr(torch, args.dtype)
     model, quantization = args.checkpoint, args.quantize
     if args.quantize == "Q4_K":
         model, quantization = tmp / "krea2-Q4_K.gguf", None
@@ -267,6 +274,7 @@ training:
   batch_size: 1
   seed: 0
   activation_checkpointing: full
+  mixed_precision: {mixed_precision}
 lora: {{rank: 32, alpha: 32}}
 optimizer: {{learning_rate: 1.0e-4}}
 checkpointing: {{every_n_steps: 1000000}}
@@ -288,7 +296,8 @@ def train(args, tmp: Path, device: str, machine: dict) -> dict:
     out = tmp / "run"
     config = tmp / "train.yaml"
     config.write_text(TRAIN_CONFIG.format(out=out, checkpoint=args.checkpoint, text_encoder=tmp / "text_encoder",
-                                          dtype="float32" if device == "cpu" else "bfloat16", quantize=args.quantize,
+                                          dtype=args.dtype, mixed_precision="bf16" if args.dtype == "bfloat16" else "no",
+                                          quantize=args.quantize,
                                           resolution=args.resolution, steps=args.steps, text_tokens=TRAIN_TEXT_TOKENS))
     plan = _plan_bytes(_krea2("train", str(config), "--dry-run", log=tmp / "plan.log"))
     text = _krea2("train", str(config), log=tmp / "train.log")
@@ -306,7 +315,7 @@ def train(args, tmp: Path, device: str, machine: dict) -> dict:
     config, image_tokens = machine["config"], (args.resolution // 16) ** 2
     flops = TRAIN_FLOPS_PER_FORWARD * (step_flops(config, image_tokens, TRAIN_TEXT_TOKENS)
                                        + conditioning_flops(config, TRAIN_TEXT_TOKENS))
-    dtype = "float32" if device == "cpu" else "bfloat16"
+    dtype = args.dtype
     return dict(plan_host_bytes=plan, quantized_transformer_bytes=quantized, seconds_per_step=seconds,
                 losses=losses, exports=exports, **roofline(flops, seconds, dtype, machine))
 
@@ -318,12 +327,15 @@ def main(argv=None) -> int:
     try:
         machine = prepare(args.checkpoint, tmp / "text_encoder")
         device = "cpu" if machine["device"] == "cpu" else "cuda"
+        if args.dtype == "auto":
+            args.dtype = machine["compute_dtype"]
+            print(f"compute dtype: {args.dtype} ({machine['compute_dtype_reason']})", flush=True)
         with TreePeak() as peak:
             result = (generate if args.mode == "generate" else train)(args, tmp, device, machine)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     result = dict(peak_host_bytes=peak.peak, max_hwm_bytes=peak.max_hwm, device=machine["device"],
-                  threads=machine["threads"], **result)
+                  threads=machine["threads"], compute_dtype=args.dtype, **result)
     print(json.dumps(result, indent=2))
     result.update(peak_at_seconds=peak.peak_at, host_timeline=peak.timeline)
     print(f"{args.mode} {args.quantize}: peak host {peak.peak / GIB:.2f} GiB sampled, {peak.max_hwm / GIB:.2f} GiB "
