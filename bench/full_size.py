@@ -341,7 +341,7 @@ def main(argv=None) -> int:
     print(f"{args.mode} {args.quantize}: peak host {peak.peak / GIB:.2f} GiB sampled, {peak.max_hwm / GIB:.2f} GiB "
           f"largest process high-water mark (plan {result['plan_host_bytes'] / GIB:.2f}), "
           f"quantized transformer {result['quantized_transformer_bytes'] / GIB:.2f} GiB, {result['seconds_per_step']:.1f} s/step")
-    print(describe(result, "float32" if device == "cpu" else "bfloat16"))
+    print(describe(result, args.dtype))
     if args.json:
         from krea2_diffusers.files import atomic_write
 
