@@ -13,9 +13,11 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
+from PIL import Image
 from safetensors import safe_open
 
 import finetune.data.encoding
@@ -172,8 +174,11 @@ def _lora_run(root: Path, cache: Path, mixed_precision: str, resume: bool = Fals
     AcceleratorState._reset_state(reset_partial_state=True)
     raw = lora_config(root, cache, **{"training.max_steps": steps, "training.mixed_precision": mixed_precision,
                                       "data.num_workers": 0, "checkpointing.every_n_steps": 2,
-                                      "checkpointing.keep_last": 2, "lora.rank": 4, "lora.alpha": 4})
-    raw.pop("validation")
+                                      "checkpointing.keep_last": 2, "lora.rank": 4, "lora.alpha": 4,
+                                      # validation under the run's precision too: samples at step 2 and the end
+                                      "validation.every_n_steps": 2, "validation.num_inference_steps": 2,
+                                      "validation.turbo_num_inference_steps": 2, "validation.height": 32,
+                                      "validation.width": 32})
     trainer = Trainer(build_config(raw), resume=resume)
     return trainer, trainer.train()
 
@@ -188,8 +193,8 @@ def _exported(out: Path) -> dict[str, dict[str, torch.dtype]]:
 
 def test_bf16_lora_training_on_the_cpu(tmp_path, monkeypatch, fresh_accelerate_state):
     """``mixed_precision: auto`` on a CPU with bf16 units: bf16 autocast over float32 LoRA masters
-    and optimizer state; losses within bf16 rounding of a float32 run; a resume continues exactly;
-    the export is the float32 run's, key for key and dtype for dtype."""
+    and optimizer state; losses within bf16 rounding of a float32 run; validation samples made under
+    it; a resume continues exactly; the export is the float32 run's, key for key and dtype for dtype."""
     monkeypatch.setattr(finetune.data.encoding, "encode_images", pooled_latents)
     cache = tmp_path / "cache"
     monkeypatch.setenv(CPU_BF16_ENV, "0")
@@ -217,6 +222,12 @@ def test_bf16_lora_training_on_the_cpu(tmp_path, monkeypatch, fresh_accelerate_s
     assert any(bf16.losses[s] != fp32.losses[s] for s in steps)
     for s in steps:
         assert abs(bf16.losses[s] - fp32.losses[s]) <= bound * fp32.losses[s], (s, bf16.losses[s], fp32.losses[s])
+
+    # Validation ran under bf16 at step 2 and at the end: real images, not blank.
+    for step in (2, STEPS):
+        images = sorted((tmp_path / "bf16" / "samples" / f"step-{step:06d}").glob("*.png"))
+        assert images, step
+        assert np.asarray(Image.open(images[0])).astype(float).std() > 0
 
     # The export: same files, keys and dtypes as the float32 run's; the diffusers file loads.
     exported = _exported(tmp_path / "bf16")
