@@ -155,16 +155,10 @@ class TrainActions:
         def config(run_dir: Path, manifest: Path) -> dict:
             return self.config_for(run_dir, manifest, preset, base, trigger, steps, sample_every, prompt)
 
-        return self.runs.create_and_start(config, rows, trigger, copy=copy_images, env=self.environment(base))
-
-    @staticmethod
-    def environment(base_model: str) -> dict:
-        """tiny-random's matrices are too small for threads to help: one thread is faster."""
-        return {"OMP_NUM_THREADS": "1"} if is_tiny(base_model) else {}
+        return self.runs.create_and_start(config, rows, trigger, copy=copy_images)
 
     def resume(self, run_id: str) -> None:
-        base = self.runs.config(run_id)["model"]["pretrained_model_name_or_path"]
-        self.runs.start(run_id, resume=True, env=self.environment(base))
+        self.runs.start(run_id, resume=True)
 
     def stop(self, run_id: str) -> str:
         if not self.runs.stop(run_id):

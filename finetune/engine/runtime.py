@@ -24,6 +24,10 @@ class Runtime:
     mixed_precision: str = "no"
     """The resolved ``training.mixed_precision`` (``auto`` chosen by the device): ``"bf16"`` or ``"no"``."""
 
+    def _collective_device(self):
+        """Where a collective's tensor must live: the GPU under NCCL, the CPU under gloo."""
+        return self.device if dist.get_backend() == "nccl" else "cpu"
+
     @property
     def is_main(self) -> bool:
         return self.rank == 0
@@ -44,7 +48,7 @@ class Runtime:
         """Sum a Python float over processes (e.g. per-sample losses of one optimizer step)."""
         if self.world_size == 1:
             return value
-        tensor = torch.tensor([value], dtype=torch.float64, device=self.device if dist.get_backend() == "nccl" else "cpu")
+        tensor = torch.tensor([value], dtype=torch.float64, device=self._collective_device())
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return float(tensor.item())
 
@@ -53,7 +57,7 @@ class Runtime:
         samples -> the global batch's means, for logging)."""
         if self.world_size == 1 or not values:
             return dict(values)
-        tensor = torch.tensor(list(values.values()), dtype=torch.float64, device=self.device if dist.get_backend() == "nccl" else "cpu")
+        tensor = torch.tensor(list(values.values()), dtype=torch.float64, device=self._collective_device())
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return dict(zip(values, (tensor / self.world_size).tolist()))
 
@@ -64,7 +68,7 @@ class Runtime:
         values = values.detach()
         if self.world_size == 1:
             return values.cpu()
-        values = values.to(self.device if dist.get_backend() == "nccl" else "cpu")
+        values = values.to(self._collective_device())
         parts = [torch.empty_like(values) for _ in range(self.world_size)]
         dist.all_gather(parts, values)
         return torch.cat(parts).cpu()
@@ -73,7 +77,7 @@ class Runtime:
         """True on every process when ``flag`` is true on any (e.g. a stop request)."""
         if self.world_size == 1:
             return flag
-        tensor = torch.tensor([1.0 if flag else 0.0], device=self.device if dist.get_backend() == "nccl" else "cpu")
+        tensor = torch.tensor([1.0 if flag else 0.0], device=self._collective_device())
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return bool(tensor.item())
 

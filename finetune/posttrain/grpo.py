@@ -82,10 +82,6 @@ class GRPOTrainer(PosttrainTrainer):
         device = self.runtime.device
         return embeds.repeat_interleave(repeat, 0).to(device), mask.repeat_interleave(repeat, 0).to(device)
 
-    def _gather(self, values: torch.Tensor) -> torch.Tensor:
-        """Every process's (n,) values, in rank order (the pool must agree everywhere)."""
-        return self.runtime.gather(values)
-
     def train_step(self, step: int, items=None) -> tuple[float, float]:
         runtime, section = self.runtime, self.config.grpo
         # The run's global batch of prompts, kept on resume with another number of processes.
@@ -119,7 +115,8 @@ class GRPOTrainer(PosttrainTrainer):
         images = decode_to_pil(self.pipe.vae, rollout.latents, self.size, self.size)
         total, raw = score(self.rewards, images, prompts, metadata)
         advantages = group_advantages(total, group).float().to(runtime.device)
-        all_totals = self._gather(total.float()).view(-1, group)
+        # every process's rewards in rank order: the pool must agree everywhere
+        all_totals = runtime.gather(total.float()).view(-1, group)
         groups = [(pid, all_totals[g].tolist()) for g, pid in enumerate(global_ids)]
         for prompt_id, values in groups:
             self.pool.update(prompt_id, values)
@@ -156,9 +153,9 @@ class GRPOTrainer(PosttrainTrainer):
 
         # Means over the global batch (every process has as many samples), as one process logs them.
         stats = runtime.means(stats)
-        stats["reward_mean"] = float(self._gather(total.float()).mean())
-        stats["reward_std"] = float(self._gather(total.float()).std(unbiased=False))
-        stats.update({f"reward/{name}": float(self._gather(values.float()).mean()) for name, values in raw.items()})
+        stats["reward_mean"] = float(all_totals.mean())  # the global batch's rewards, gathered above
+        stats["reward_std"] = float(all_totals.std(unbiased=False))
+        stats.update({f"reward/{name}": float(runtime.gather(values.float()).mean()) for name, values in raw.items()})
         stats.update(self.pool.summary())
         if self.eval_due(step, section.eval_every_n_steps):
             stats["eval/reward_mean"] = self.evaluate()
