@@ -14,9 +14,13 @@ shared with other jobs a wall-clock rate measures the neighbours (both are print
 keeps the wall rates as ``wall_*``). Both run ``--repeats`` times, alternating, and the best run
 of each counts. The corpus: 512x384 JPEG
 photographs (q90), every tenth a cropped, resized, recompressed copy of the one before.
-3. ``--hashes``: the dedup candidate scan's cost per image (insert + query) as the warehouse grows.
+3. ``--hashes``: the in-memory exact scan's cost per image (insert + query) as it grows (the reference).
+4. ``--scale 1e5,1e6,1e7``: the dedup stage alone, the warehouse's candidate index on synthetic
+   hashes with real planted near duplicates (bench/dedup_scale.py): per-image cost against the
+   table's size, recall against the exact scan, index bytes per row, 1/2/4 workers. Runs alone.
 
-``--json OUT`` writes ``{"images_per_s_per_core", "floor_images_per_s_per_core", "workers", ...}``.
+``--json OUT`` writes ``{"images_per_s_per_core", "floor_images_per_s_per_core", "workers", ...}``,
+with ``--scale`` ``{"scale": [{"rows", "ms_per_image", "recall_vs_exact", "index_bytes_per_row", ...}]}``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import multiprocessing
 import os
 import resource
 import signal
@@ -155,6 +160,59 @@ def hash_scaling(sizes: list[int]) -> None:
         print(f"dedup scan  n={n:>7}  {took:.2f} s  ({took / n * 1e6:.0f} us per image, last queries over {n} hashes)")
 
 
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(float(part)) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--scale {text!r}: give sizes like 1e5,1e6,1e7") from None
+    if any(n < 1000 for n in sizes):
+        raise argparse.ArgumentTypeError(f"--scale {text!r}: each size must be at least 1000 rows")
+    return sizes
+
+
+def _configure(folder: Path, shared_buffers_mb: int) -> None:
+    import psycopg
+
+    server = EmbeddedServer(folder, create=True)
+    with psycopg.connect(server.uri("postgres"), autocommit=True) as conn:
+        conn.execute(f"ALTER SYSTEM SET shared_buffers = '{shared_buffers_mb}MB'")
+    server.close()  # the last handle stops the server
+
+
+def scale(sizes: list[int], pairs: int, out: str | None, buffers: bool = True) -> None:
+    from dedup_scale import load_and_recall, real_pairs, timing
+
+    start = time.perf_counter()
+    planted = real_pairs(pairs)
+    print(f"{len(planted)} real copy pairs fingerprinted in {time.perf_counter() - start:.1f} s; "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        # Shared buffers that hold the largest index (~180 B a row), as a server sized for its
+        # warehouse would: with pgserver's default 128 MB every probe of a 1e7-row index misses them.
+        # Set by a child process (pgserver keeps one server object per folder and process, so this
+        # one starts the server afresh, with the setting).
+        buffers_mb = max(128, int(max(sizes) * 200 * 1.3 / 2 ** 20)) if buffers else 128
+        child = multiprocessing.get_context("fork").Process(target=_configure, args=(Path(tmp) / "db", buffers_mb))
+        child.start()
+        child.join()
+        assert child.exitcode == 0, "could not configure the embedded server"
+        server = EmbeddedServer(Path(tmp) / "db")
+        print(f"shared_buffers {buffers_mb} MB", flush=True)
+        try:
+            for n in sizes:
+                results.append(load_and_recall(server, n, planted))
+                print(json.dumps({k: v for k, v in results[-1].items() if k not in ("dsn", "queries")}), flush=True)
+            timing(results)
+        finally:
+            server.close()
+    for result in results:
+        result.pop("dsn"), result.pop("queries")
+        print(json.dumps(result))
+    if out:
+        Path(out).write_text(json.dumps({"scale": results}, indent=1) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=2000)
@@ -163,6 +221,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", metavar="OUT", default=None)
     parser.add_argument("--hashes", type=int, nargs="*", default=[])
+    parser.add_argument("--scale", type=_sizes, default=None, metavar="N[,N...]",
+                        help="the dedup index alone at these table sizes (e.g. 1e5,1e6,1e7)")
+    parser.add_argument("--pairs", type=int, default=300, help=argparse.SUPPRESS)
+    parser.add_argument("--default-buffers", action="store_true",
+                        help="with --scale: keep pgserver's 128 MB shared_buffers (default: sized to the index)")
     parser.add_argument("--floor-shard", nargs=3, metavar=("CORPUS", "SHARD", "SHARDS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.floor_shard:
@@ -170,6 +233,9 @@ def main() -> None:
         return
     # A timeout's SIGTERM must still stop the embedded server (the finally below).
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    if args.scale:
+        scale(args.scale, args.pairs, args.json, not args.default_buffers)
+        return
 
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus"

@@ -1,4 +1,4 @@
-"""``krea2 curate init|ingest|work|run|status|export``: the curation warehouse from the command line.
+"""``krea2 curate init|ingest|work|run|status|export|dedup-shards``: the curation warehouse from the command line.
 
 Every subcommand takes ``--db DIR`` (an embedded Postgres in DIR, started when none runs there)
 or ``--dsn postgresql://...`` (any server). Heavy imports stay inside the handlers.
@@ -58,6 +58,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     export.add_argument("--seed", type=int, default=0)
     export.add_argument("--balance", choices=["clusters"], default=None, help="cluster-balanced sampling")
     export.add_argument("--per-cluster", type=int, default=None, help="cap per leaf cluster (default: median leaf size)")
+    shards = sub.add_parser("dedup-shards", help="merge near-duplicate groups across warehouses (resumable)")
+    shards.add_argument("--dsn", metavar="URL", action="append", required=True,
+                        help="a shard's postgresql://... (give two or more)")
+    shards.add_argument("--config", metavar="YAML", help="curation config (the dedup thresholds)")
+    shards.add_argument("--batch", type=int, default=256,
+                        help="representatives compared per committed step (what a killed run redoes; default 256)")
     return parser
 
 
@@ -76,6 +82,11 @@ def _dispatch(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     command = args.curate_command
+    if command == "dedup-shards":
+        from .shards import dedup_shards
+
+        print(json.dumps({"dropped": dedup_shards(args.dsn, config, args.batch)}))
+        return 0
     with open_warehouse(args.db, args.dsn, args.store, config.queue, create=command == "init") as warehouse:
         if command == "init":
             print(f"{warehouse.where}: curation schema ready")

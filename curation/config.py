@@ -15,6 +15,10 @@ import yaml
 
 from finetune.config import ConfigError, config_from_dict
 
+from .hash_index import SUBSTRING_BITS, SUBSTRINGS
+
+INDEXED_BITS = SUBSTRINGS * SUBSTRING_BITS
+
 
 @dataclass
 class QueueConfig:
@@ -128,6 +132,9 @@ class CurationConfig:
         if self.dedup.hash_size < 2 or not 0 <= self.dedup.max_hash_distance < bits:
             raise ConfigError(f"dedup.max_hash_distance ({self.dedup.max_hash_distance}) must lie in [0, {bits}) "
                               f"for a hash of {bits} bits (dedup.hash_size {self.dedup.hash_size})")
+        if bits - 1 < INDEXED_BITS:
+            raise ConfigError(f"dedup.hash_size ({self.dedup.hash_size}) gives {bits} bits; the near-duplicate index "
+                              f"keys {INDEXED_BITS} of them besides the DC bit: use dedup.hash_size >= 9")
         if not -1 <= self.dedup.min_similarity <= 1:
             raise ConfigError(f"dedup.min_similarity ({self.dedup.min_similarity}) is a correlation in [-1, 1]")
         if not self.cluster.levels or min(self.cluster.levels) < 1:

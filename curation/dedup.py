@@ -4,38 +4,66 @@ Near duplicates share a close perceptual hash, a close colour hash AND align: th
 within ``max_hash_distance`` only proposes candidates (a 5%-per-side crop moves it as far as a
 photograph that merely shares the layout), the colour hash keeps equal-luma colour variants
 apart, and the crop-tolerant detail correlation of the two grey thumbnails (curation.alignment)
-decides. Candidates come from an exact vectorised scan of every earlier hash (:class:`HashIndex`).
-
-Workers claim dedup rows in parallel; the grouping itself runs under one transaction-level
-advisory lock, so two near duplicates handled by two workers at once still meet. Each worker keeps
-the index in memory and catches up with rows others grouped since (``dedup_seq`` order): work per
-batch is proportional to the batch plus what is new, not to the table. The representative is the
-largest image (pixels), then the oldest (first ingested); a larger late arrival takes over its group.
+decides (:func:`best_match`). Workers take candidates from the index in the warehouse
+(curation/hash_index.py: per-image cost flat in the table, thumbnails fetched for candidates
+only) and keep nothing between batches; row locks, not a lock over the warehouse, settle two
+workers placing near duplicates at once (:class:`DedupJob`).
+:class:`Deduplicator` is the in-memory reference (the exact scan, :class:`HashIndex`) that the
+quality tests and the bench's recall use. The representative is the largest image (pixels), then
+the oldest (first ingested); a larger late arrival takes over its group.
 """
 
 from __future__ import annotations
 
+import random
+import time
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
+import psycopg
 
 from .config import DedupConfig
 from .alignment import similarity
+from .hash_index import bit_order, candidates
 from .hashing import colour_distance, hash_int
 from .warehouse import Warehouse
 
-DEDUP_LOCK = 0x6B72656132_02
-"""Advisory lock key serialising the grouping step of every dedup worker."""
 DUPLICATE_REASONS = ("exact_duplicate", "near_duplicate")
 
 
-class HashIndex:
-    """Every indexed hash in a (N, words) uint64 array; a query XORs and popcounts them all.
+def best_match(found: Iterable[tuple[int, int, bytes, bytes | None, int]], colour: bytes, thumbnail: bytes | None,
+               config: DedupConfig) -> tuple[int, int, int] | None:
+    """The candidate an image copies, as ``(key, distance, group)``, or None. ``found``: candidates
+    within ``max_hash_distance`` as ``(key, distance, colour hash, thumbnail, group)``; each must be
+    as close in colour and align (crop-tolerant detail correlation >= ``min_similarity``); the
+    best-aligned wins, then the closest hash. A thumbnail of None (rows deduplicated before schema 2)
+    matches by md5 only."""
+    best = None
+    for key, distance, other_colour, other_thumbnail, group in found:
+        if other_thumbnail is None or thumbnail is None:
+            continue
+        if colour_distance(other_colour, colour) > config.max_colour_distance:
+            continue
+        score = similarity(other_thumbnail, thumbnail)
+        if score >= config.min_similarity and (best is None or (score, -distance) > best[0]):
+            best = ((score, -distance), (key, distance, group))
+    return None if best is None else best[1]
 
-    Exact and linear per query (~5 ns a hash with numpy): 1e5 hashes take ~0.5 ms. The crop
-    tolerance needs a candidate radius (~30% of the bits) at which any bucketed search (multi-index
-    hashing) degenerates into probing most of its buckets, so the index is a plain vectorised scan.
+
+def representative(members: Iterable[tuple[int, int]]) -> int:
+    """Of ``(id, area)`` members: the largest (pixels), then the oldest (smallest id = first ingested)."""
+    return max(members, key=lambda m: (m[1], -m[0]))[0]
+
+
+class HashIndex:
+    """The reference exact scan (quality tests, the bench's recall): every indexed hash in a (N, words)
+    uint64 array; a query XORs and popcounts them all.
+
+    Exact and linear per query (~5 ns a hash with numpy): 1e5 hashes take ~0.5 ms, 1e7 ~50 ms, and
+    every worker would hold the whole table. Workers use the warehouse's index
+    (curation/hash_index.py: flat cost, approximate), measured against this scan.
     """
 
     def __init__(self, bits: int, max_distance: int):
@@ -94,17 +122,9 @@ class Deduplicator:
         """The indexed image this one copies, as ``(key, distance)``, or None. Candidates come from
         the hash within ``max_hash_distance``, then must be as close in colour and align (crop-
         tolerant detail correlation >= ``min_similarity``); the best-aligned candidate wins."""
-        best = None
-        for key, distance in self.index.query(value):
-            member = self.members[key]
-            if member.thumbnail is None or thumbnail is None:
-                continue
-            if colour_distance(member.colour, colour) > self.config.max_colour_distance:
-                continue
-            score = similarity(member.thumbnail, thumbnail)
-            if score >= self.config.min_similarity and (best is None or (score, -distance) > best[0]):
-                best = ((score, -distance), key, float(distance))
-        return None if best is None else (best[1], best[2])
+        found = best_match(((key, distance, self.members[key].colour, self.members[key].thumbnail, self.members[key].group)
+                            for key, distance in self.index.query(value)), colour, thumbnail, self.config)
+        return None if found is None else (found[0], float(found[1]))
 
     def place(self, image_id: int, md5: str, phash: bytes, colour: bytes, thumbnail: bytes | None,
               area: int) -> tuple[int, float]:
@@ -121,17 +141,9 @@ class Deduplicator:
         self.groups[group].append(image_id)
         return group, distance
 
-    def add_known(self, image_id: int, md5: str, phash: bytes, colour: bytes, thumbnail: bytes | None,
-                  area: int, group: int) -> None:
-        """Index an image another worker already grouped (its group as stored): no search."""
-        self.by_md5.setdefault(md5, image_id)
-        self.index.add(image_id, hash_int(phash))
-        self.members[image_id] = Member(group, area, md5, colour, thumbnail)
-        self.groups[group].append(image_id)
-
     def representative(self, group: int) -> int:
         """Largest (pixels), then oldest (smallest id = first ingested)."""
-        return max(self.groups[group], key=lambda i: (self.members[i].area, -i))
+        return representative((i, self.members[i].area) for i in self.groups[group])
 
     def reason(self, image_id: int, representative: int) -> str:
         same = self.members[image_id].md5 == self.members[representative].md5
@@ -139,76 +151,91 @@ class Deduplicator:
 
 
 class DedupJob:
-    """The dedup step of one worker (its in-memory index survives across batches)."""
+    """The dedup step of one worker: every batch reads and writes the warehouse (no state kept).
+
+    No lock spans the warehouse. A row enters the index when the filter job writes its hash, so of
+    two copies deduplicated at once, each worker having committed its rows' hashes before probing,
+    at least one sees the other. A candidate not placed yet is locked (``FOR UPDATE``; each batch
+    locks its own rows first, in id order): the worker waits until its owner placed it and joins
+    its group, or, if nobody holds it, leaves it, and its owner, waiting on the lock, then sees
+    this row placed. Two workers waiting on each other's rows are a deadlock Postgres breaks by
+    aborting one, which re-runs its batch. Nothing is grouped twice."""
+
+    RETRIES = 100
 
     def __init__(self, config: DedupConfig):
-        self.dedup = Deduplicator(config)
-        self.last_seq = 0
-
-    def _catch_up(self, conn) -> None:
-        rows = conn.execute("SELECT id, md5, phash, colour_hash, thumbnail, width::bigint * height, dedup_group, "
-                            "dedup_seq FROM images WHERE dedup_seq > %s ORDER BY dedup_seq", (self.last_seq,)).fetchall()
-        for image_id, md5, phash, colour, thumbnail, area, group, seq in rows:
-            self.dedup.add_known(image_id, md5, bytes(phash), bytes(colour), thumbnail and bytes(thumbnail), area, group)
-            self.last_seq = seq
+        self.config = config
+        bit_order(config.hash_size)  # refuses a hash too short for the index before any claim
 
     def ready(self, warehouse: Warehouse) -> bool:
         return True
 
     def run(self, warehouse: Warehouse, rows: list[dict]) -> None:
-        try:
-            self._run(warehouse, rows)
-        except BaseException:
-            # The transaction rolled back: forget what this batch placed; the next batch reloads
-            # the index from the table.
-            self.dedup = Deduplicator(self.dedup.config)
-            self.last_seq = 0
-            raise
-
-    def _run(self, warehouse: Warehouse, rows: list[dict]) -> None:
         conn = warehouse.conn
-        with conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (DEDUP_LOCK,))
-            self._catch_up(conn)
-            seqs = [r[0] for r in conn.execute("SELECT nextval('dedup_seq') FROM generate_series(1, %s)", (len(rows),))]
-            placed = []
-            for row, seq in zip(rows, seqs):
-                group, distance = self.dedup.place(row["id"], row["md5"], bytes(row["phash"]), bytes(row["colour_hash"]),
-                                                   bytes(row["thumbnail"]), row["width"] * row["height"])
-                placed.append((row["id"], group, distance, seq))
-            self.last_seq = max(self.last_seq, max(p[3] for p in placed))
-            groups = {p[1] for p in placed}
-            reps = {g: self.dedup.representative(g) for g in groups}
-            ids, group_ids, distances, seqs, dups, reasons = [], [], [], [], [], []
-            for image_id, group, distance, seq in placed:
-                rep = reps[group]
-                ids.append(image_id)
-                group_ids.append(group)
-                distances.append(distance)
-                seqs.append(seq)
-                dups.append(None if rep == image_id else rep)
-                reasons.append(None if rep == image_id else self.dedup.reason(image_id, rep))
-            conn.execute(
-                "UPDATE images i SET dedup_group = v.g, dedup_distance = v.d, dedup_seq = v.s, duplicate_of = v.dup, "
-                "dedup_done_at = clock_timestamp(), dedup_claimed_by = NULL, dedup_error = NULL, "
-                "status = CASE WHEN v.reason IS NULL THEN 'kept' ELSE 'dropped' END, drop_reason = v.reason, "
-                "drop_score = CASE WHEN v.reason IS NULL THEN NULL ELSE v.d END, "
-                "drop_job = CASE WHEN v.reason IS NULL THEN NULL ELSE 'dedup' END "
-                "FROM unnest(%s::bigint[], %s::bigint[], %s::real[], %s::bigint[], %s::bigint[], %s::text[]) "
-                "AS v(id, g, d, s, dup, reason) WHERE i.id = v.id AND i.dedup_claimed_by = pg_backend_pid()",
-                (ids, group_ids, distances, seqs, dups, reasons))
-            # When a new arrival became its group's representative, the earlier members follow it.
-            batch = set(ids)
-            earlier = [(m, g) for g in groups if reps[g] in batch for m in self.dedup.groups[g] if m not in batch]
-            if earlier:
-                members = [m for m, _ in earlier]
-                new_reps = [reps[g] for _, g in earlier]
-                old_reasons = [None if reps[g] == m else self.dedup.reason(m, reps[g]) for m, g in earlier]
-                conn.execute(
-                    "UPDATE images i SET duplicate_of = CASE WHEN v.rep = i.id THEN NULL ELSE v.rep END, "
-                    "status = CASE WHEN v.reason IS NULL THEN 'kept' ELSE 'dropped' END, drop_reason = v.reason, "
-                    "drop_job = CASE WHEN v.reason IS NULL THEN NULL ELSE 'dedup' END "
-                    "FROM unnest(%s::bigint[], %s::bigint[], %s::text[]) AS v(id, rep, reason) "
-                    "WHERE i.id = v.id AND (i.status = 'kept' OR i.drop_reason IN ('exact_duplicate', 'near_duplicate'))",
-                    (members, new_reps, old_reasons))
-            warehouse.release_log("dedup", ids, "done")
+        for attempt in range(self.RETRIES):
+            try:
+                with conn.transaction():
+                    self._place(conn, rows)
+                break
+            except psycopg.errors.DeadlockDetected:
+                if attempt == self.RETRIES - 1:
+                    raise
+                time.sleep(random.uniform(0, 0.01 * min(attempt + 1, 20)))  # de-synchronise the retries
+        warehouse.release_log("dedup", [r["id"] for r in rows], "done")
+
+    @staticmethod
+    def _placed(conn, image_id: int) -> int | None:
+        """The group of a candidate nobody had placed when it was found: waits for the worker
+        holding it, if any, to finish (its row lock); None while it is still unplaced."""
+        return conn.execute("SELECT dedup_group FROM images WHERE id = %s FOR UPDATE", (image_id,)).fetchone()[0]
+
+    def _place(self, conn, rows: list[dict]) -> None:
+        config = self.config
+        conn.execute("SELECT id FROM images WHERE id = ANY(%s) ORDER BY id FOR UPDATE", ([r["id"] for r in rows],))
+        for row in rows:
+            phash, colour, thumbnail = bytes(row["phash"]), bytes(row["colour_hash"]), bytes(row["thumbnail"])
+            group, distance = None, 0.0
+            for other, other_group in conn.execute("SELECT id, dedup_group FROM images WHERE md5 = %s AND id <> %s "
+                                                   "AND phash IS NOT NULL ORDER BY id", (row["md5"], row["id"])).fetchall():
+                group = other_group if other_group is not None else self._placed(conn, other)
+                if group is not None:
+                    break
+            if group is None:
+                weak = row["phash_weak"] and bytes(row["phash_weak"])
+                near = [(c[0], c[1], bytes(c[2]), c[3] and bytes(c[3]), self._placed(conn, c[0]) if c[4] is None else c[4])
+                        for c in candidates(conn, phash, weak, config.hash_size, config.max_hash_distance)
+                        if c[0] != row["id"]]
+                found = best_match((c for c in near if c[4] is not None), colour, thumbnail, config)
+                group, distance = (found[2], float(found[1])) if found else (row["id"], 0.0)
+            placed = conn.execute(
+                "UPDATE images SET dedup_group = %s, dedup_distance = %s, dedup_seq = nextval('dedup_seq'), "
+                "dedup_done_at = clock_timestamp(), dedup_claimed_by = NULL, dedup_error = NULL "
+                "WHERE id = %s AND dedup_claimed_by = pg_backend_pid() RETURNING id",
+                (group, distance, row["id"])).fetchone()
+            if placed:
+                self._settle(conn, group)
+
+    @staticmethod
+    def _settle(conn, group: int) -> None:
+        """Point every member of ``group`` at its representative (largest, then oldest) and set
+        the statuses: members dropped for another reason (filters never reach dedup, but a
+        semantic duplicate may) keep it, and so do those ``dedup-shards`` dropped (their kept copy
+        lives in another shard; a larger late arrival becomes kept here and meets it at the next
+        ``dedup-shards`` run)."""
+        members = conn.execute("SELECT id, width::bigint * height, md5 FROM images WHERE dedup_group = %s "
+                               "ORDER BY id FOR UPDATE", (group,)).fetchall()
+        rep = representative([(m[0], m[1]) for m in members])
+        rep_md5 = next(m[2] for m in members if m[0] == rep)
+        reasons = [None if m[0] == rep else DUPLICATE_REASONS[0] if m[2] == rep_md5 else DUPLICATE_REASONS[1]
+                   for m in members]
+        conn.execute(
+            "UPDATE images i SET duplicate_of = CASE WHEN v.reason IS NULL THEN NULL ELSE %s END, "
+            "status = CASE WHEN v.reason IS NULL THEN 'kept' ELSE 'dropped' END, drop_reason = v.reason, "
+            "drop_score = CASE WHEN v.reason IS NULL THEN NULL ELSE i.dedup_distance END, "
+            "drop_job = CASE WHEN v.reason IS NULL THEN NULL ELSE 'dedup' END "
+            "FROM unnest(%s::bigint[], %s::text[]) AS v(id, reason) WHERE i.id = v.id "
+            "AND (i.status IN ('kept', 'pending') OR i.drop_reason IN ('exact_duplicate', 'near_duplicate')) "
+            "AND i.drop_job IS DISTINCT FROM 'dedup-shards' "
+            "AND (i.duplicate_of IS DISTINCT FROM CASE WHEN v.reason IS NULL THEN NULL ELSE %s END "
+            "     OR i.drop_reason IS DISTINCT FROM v.reason OR i.status = 'pending')",
+            (rep, [m[0] for m in members], reasons, rep))

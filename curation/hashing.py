@@ -37,12 +37,18 @@ def perceptual_hash(image: Image.Image, hash_size: int = 12) -> bytes:
 
     Returns hash_size**2 bits packed into bytes (18 bytes for 12x12).
     """
+    return perceptual_hash_margins(image, hash_size)[0]
+
+
+def perceptual_hash_margins(image: Image.Image, hash_size: int = 12) -> tuple[bytes, np.ndarray]:
+    """The pHash and, per bit, how far its coefficient lies from the median ((hash_size**2,)
+    float, row-major like the bits): bits with small margins are the ones a copy flips."""
     side = hash_size * PHASH_OVERSAMPLE
     grey = np.asarray(as_mode(image, "L").resize((side, side), Image.Resampling.BILINEAR), dtype=np.float64)
     dct = _dct_matrix(side)
     low = (dct @ grey @ dct.T)[:hash_size, :hash_size].ravel()
-    bits = low > _median(low[1:])
-    return np.packbits(bits).tobytes()
+    centred = low - _median(low[1:])
+    return np.packbits(centred > 0).tobytes(), np.abs(centred)
 
 
 def _median(values: np.ndarray) -> float:

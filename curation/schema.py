@@ -8,6 +8,7 @@ schema is newer than this code is refused: an old worker must never write rows i
 
 from __future__ import annotations
 
+from .hash_index import KEY_COLUMNS, backfill
 from .server import WarehouseError
 
 JOBS = ("probe", "filter", "dedup", "caption", "embed", "cluster")
@@ -90,8 +91,25 @@ _V3 = " ".join(_status_queue_index(job, upstream_done=True) for job in JOBS if U
 queue listed every unprobed row first (never tried for filter), so each claim that found nothing
 (the usual case: probe hands its rows to filter directly) read the whole table, three times."""
 
-MIGRATIONS = (_V1, _V2, _V3)
-"""MIGRATIONS[i] takes a database from schema version i to i + 1."""
+_V4 = f"""
+ALTER TABLE images ADD COLUMN phash_weak bytea, ADD COLUMN phash_bits varbit, ADD COLUMN shard_duplicate_of text,
+    {', '.join(f'ADD COLUMN {c} integer' for c in KEY_COLUMNS)};
+{' '.join(f'CREATE INDEX images_{c} ON images ({c}) INCLUDE (id, phash_bits) WHERE {c} IS NOT NULL;' for c in KEY_COLUMNS)}
+CREATE INDEX images_dedup_group ON images (dedup_group) WHERE dedup_group IS NOT NULL;
+CREATE TABLE curation_shard (id uuid NOT NULL);
+INSERT INTO curation_shard (id) VALUES (gen_random_uuid());
+CREATE TABLE shard_progress (peer uuid PRIMARY KEY, last_id bigint NOT NULL);
+"""
+"""Version 4: the near-duplicate candidate index in the warehouse (curation/hash_index.py: pHash
+substring keys, set when dedup places a row; ``phash_weak``, a filter result: the bits a copy is
+likely to flip, which the query probes) and the group index that finds a group's members;
+rows placed before get their keys (:func:`~curation.hash_index.backfill`); for ``dedup-shards``
+(curation/shards.py) the warehouse's own id, the progress of its comparison with each peer, and
+``shard_duplicate_of`` (the kept copy in another shard)."""
+
+MIGRATIONS = (_V1, _V2, _V3, (_V4, backfill))
+"""MIGRATIONS[i] takes a database from schema version i to i + 1: a script, or a script and then a
+function of the connection (work SQL alone cannot do)."""
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -127,7 +145,10 @@ def migrate(conn, where: str) -> tuple[int, int]:
             raise WarehouseError(f"{where} has curation schema version {before}, newer than this krea2 "
                                  f"(version {SCHEMA_VERSION}); refusing to touch it")
         for version in range(before, SCHEMA_VERSION):
-            conn.execute(MIGRATIONS[version])
+            script, *then = MIGRATIONS[version] if isinstance(MIGRATIONS[version], tuple) else (MIGRATIONS[version],)
+            conn.execute(script)
+            for step in then:
+                step(conn)
         conn.execute("DELETE FROM curation_schema")
         conn.execute("INSERT INTO curation_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
     return before, SCHEMA_VERSION

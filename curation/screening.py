@@ -22,7 +22,8 @@ from PIL import Image, UnidentifiedImageError
 from .alignment import grey_thumbnail
 from .config import CurationConfig
 from .filters import scores, size_verdict, thumbnail, verdict
-from .hashing import colour_hash, perceptual_hash
+from .hash_index import KEY_COLUMNS, bit_text, row_keys, weak_bits
+from .hashing import colour_hash, perceptual_hash_margins
 from .warehouse import Outcome
 
 FILE_SCHEME = "file://"
@@ -98,7 +99,12 @@ def filter_outcome(row: dict, small: Image.Image, config: CurationConfig) -> Out
     if failed is not None:
         return Outcome(row["id"], {"filter_scores": values}, drop=failed[0], score=failed[1])
     grey = small.convert("L")  # both grey fingerprints start from it: one conversion
-    return Outcome(row["id"], {"filter_scores": values, "phash": perceptual_hash(grey, config.dedup.hash_size),
+    phash, margins = perceptual_hash_margins(grey, config.dedup.hash_size)
+    # The index keys are written with the hash: a row is in the near-duplicate index (unplaced)
+    # before any worker deduplicates it, so of two copies deduplicated at once one sees the other.
+    index = dict(zip(KEY_COLUMNS, row_keys(phash, config.dedup.hash_size)), phash_bits=bit_text(phash))
+    return Outcome(row["id"], {"filter_scores": values, "phash": phash, **index,
+                               "phash_weak": weak_bits(margins, config.dedup.hash_size),
                                "colour_hash": colour_hash(small, config.dedup.colour_grid),
                                "thumbnail": grey_thumbnail(grey)})
 

@@ -21,20 +21,22 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from .config import QueueConfig
+from .hash_index import KEY_COLUMNS
 from .schema import JOBS, SCREENING, UPSTREAM, check_version, migrate
 from .server import EmbeddedServer, WarehouseError, connect
 
 RESULT_COLUMNS = {
     "probe": {"md5": "text", "size_bytes": "bigint", "format": "text", "width": "integer", "height": "integer"},
-    "filter": {"filter_scores": "jsonb", "phash": "bytea", "colour_hash": "bytea", "thumbnail": "bytea"},
-    "dedup": {},  # written by the dedup job itself, under its lock
+    "filter": {"filter_scores": "jsonb", "phash": "bytea", "phash_weak": "bytea", "colour_hash": "bytea",
+               "thumbnail": "bytea", "phash_bits": "varbit", **{c: "integer" for c in KEY_COLUMNS}},
+    "dedup": {},  # written by the dedup job itself
     "caption": {"caption_long": "text", "caption_medium": "text", "caption_short": "text"},
     "embed": {"embedding_path": "text", "embedding_row": "integer"},
     "cluster": {"cluster_ids": "integer[]", "semantic_duplicate_of": "bigint"},
 }
 """Result columns each job writes through :meth:`Warehouse.write` and their SQL types."""
 
-CLAIM_COLUMNS = ("id", "uri", "source_text", "md5", "size_bytes", "width", "height", "phash", "colour_hash",
+CLAIM_COLUMNS = ("id", "uri", "source_text", "md5", "size_bytes", "width", "height", "phash", "phash_weak", "colour_hash",
                  "thumbnail", "caption_long", "embedding_path", "embedding_row", "ingested_at")
 
 

@@ -229,9 +229,17 @@ def test_schema_3_claims_that_find_nothing_read_no_rows(server, capsys):
         for script in MIGRATIONS[:2]:
             conn.execute(script)
         conn.execute("INSERT INTO curation_schema (version) VALUES (2)")
+        # A row deduplicated before version 4 gets its index keys when the warehouse migrates.
+        phash = bytes(range(18))
+        conn.execute("INSERT INTO images (uri, phash, dedup_group, status) VALUES ('/old.jpg', %s, 1, 'kept')", (phash,))
     assert _cli(capsys, "init", "--dsn", dsn)[0] == 0
     with open_warehouse(dsn=dsn) as warehouse:
-        assert schema_version(warehouse.conn) == len(MIGRATIONS) == 3
+        assert schema_version(warehouse.conn) == len(MIGRATIONS) == 4
+        bits = np.unpackbits(np.frombuffer(phash, np.uint8))  # the 72 lowest frequencies but DC, 24 a key
+        low = sorted(range(1, 144), key=lambda i: (i // 12 + i % 12, i))[:72]
+        expected = [int("".join(map(str, bits[low[k * 24:(k + 1) * 24]])), 2) for k in range(3)]
+        assert list(warehouse.conn.execute("SELECT phash_k0, phash_k1, phash_k2 FROM images").fetchone()) == expected
+        warehouse.conn.execute("DELETE FROM images")
         warehouse.ingest((f"/nowhere/{i}.jpg", None) for i in range(300))
 
         def entries_read() -> dict[str, int]:
@@ -269,6 +277,25 @@ def test_hash_index_matches_brute_force():
         for query in everything[::29]:
             brute = sorted((k, (v ^ query).bit_count()) for k, v in enumerate(everything) if (v ^ query).bit_count() <= distance)
             assert sorted(index.query(query)) == brute
+
+
+def test_index_probes_cover_weak_bits_and_one_more():
+    """A query's probes reach every stored key that differs from its own in any of its weak bits
+    plus at most one other bit, and no key with two other bits flipped."""
+    from curation.hash_index import SUBSTRING_BITS, WEAK_BITS, probes
+
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        key = [int(k) for k in rng.integers(0, 1 << SUBSTRING_BITS, 3)]
+        weak = [rng.choice(SUBSTRING_BITS, WEAK_BITS, replace=False) for _ in range(3)]
+        probed = [set(p) for p in probes(key, np.stack(weak).astype(np.uint8).tobytes())]
+        for k in range(3):
+            flip = lambda positions: key[k] ^ sum(1 << (SUBSTRING_BITS - 1 - int(p)) for p in positions)  # noqa: E731
+            others = [p for p in range(SUBSTRING_BITS) if p not in weak[k]]
+            some_weak = [p for p in weak[k] if rng.random() < 0.5]
+            assert flip(some_weak) in probed[k] and flip(some_weak + [others[0]]) in probed[k]
+            assert flip(some_weak + others[:2]) not in probed[k]
+        assert len(probed[0]) == 2 ** WEAK_BITS * (SUBSTRING_BITS - WEAK_BITS + 1)
 
 
 def test_semantic_duplicates_inside_leaves():

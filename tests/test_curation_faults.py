@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psycopg
 from PIL import Image
 
 from curation.synthetic import make_corpus, photo
@@ -150,6 +151,14 @@ def test_sixteen_workers_four_killed(server, tmp_path):
     for copy, original in copies.items():  # the same bytes: the same filter verdict, or grouped
         assert fates[copy] == (fates[original] or "exact_duplicate"), (copy, fates[copy], fates[original])
     assert sum(f == "exact_duplicate" for f in fates.values()) > 0.75 * len(copies)
+    # Nothing grouped twice (no lock over the warehouse: serializable batches): each group has one
+    # kept row, which its duplicates point at, and no two kept rows share an md5.
+    grouped = query(dsn, "SELECT id, md5, status, dedup_group, duplicate_of FROM images WHERE dedup_group IS NOT NULL")
+    kept_of = {r["dedup_group"]: r["id"] for r in grouped if r["status"] == "kept"}
+    assert sum(r["status"] == "kept" for r in grouped) == len(kept_of) == len({r["dedup_group"] for r in grouped})
+    assert all(r["duplicate_of"] == kept_of[r["dedup_group"]] for r in grouped if r["status"] == "dropped")
+    kept_md5 = [r["md5"] for r in grouped if r["status"] == "kept"]
+    assert len(kept_md5) == len(set(kept_md5))
     for row in rows:
         reached = ["probe"] + (["filter"] if row["drop_reason"] in (None, "exact_duplicate", "near_duplicate") or
                                row["filter_done_at"] else [])
@@ -176,3 +185,89 @@ def test_sixteen_workers_four_killed(server, tmp_path):
                 open_claims += 1
         assert history[-1]["released_at"] is not None, f"{key} never finished: {history}"
     assert open_claims >= 4  # every victim held at least one row when it was killed
+
+
+def _shard_rows(dsn: str, fingerprints: list[tuple], start: int) -> None:
+    """Rows that passed probe and filter, with the given (md5, phash, weak, colour, thumbnail, side)
+    and the index keys the filter job writes with them."""
+    from curation.hash_index import bit_text, row_keys
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for n, (md5, phash, weak, colour, thumb, side) in enumerate(fingerprints):
+            conn.execute("INSERT INTO images (uri, md5, width, height, phash, phash_weak, colour_hash, thumbnail, "
+                         "phash_k0, phash_k1, phash_k2, phash_bits, probe_done_at, filter_done_at) "
+                         "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s::varbit, now(), now())",
+                         (f"/shard/{start + n}.jpg", md5, side, side, phash, weak, colour, thumb,
+                          *row_keys(phash, 12), bit_text(phash)))
+
+
+def test_dedup_shards_merges_resumes_after_kill_and_is_idempotent(server, tmp_path):
+    """Two warehouses hold copies of the same images (hash a few bits apart, same colour and
+    thumbnail, other md5; one byte-identical): after `dedup-shards` each pair keeps one row, the
+    larger, else the older (shard A's, ingested first); unrelated rows stay. A run killed with -9
+    mid-run resumes from the progress it recorded, and a second full run changes nothing."""
+    from curation.hash_index import weak_bits
+
+    rng = np.random.default_rng(3)
+    shard_a, shard_b = database(server, "shard_a"), database(server, "shard_b")
+    originals, copies, sides = [], [], []
+    for n in range(40):
+        phash = bytearray(rng.integers(0, 256, 18, dtype=np.uint8).tobytes())
+        phash[0] |= 0x80
+        colour, thumb = rng.integers(0, 256, 32, np.uint8).tobytes(), rng.integers(0, 256, 1024, np.uint8).tobytes()
+        fingerprint = (f"a{n}", bytes(phash), weak_bits(rng.random(144), 12), colour, thumb, 300)
+        originals.append(fingerprint)
+        if n < 30:  # a copy in shard B: 3 bits flipped, larger for every third
+            copied = bytearray(phash)
+            for bit in rng.choice(np.arange(8, 144), 3, replace=False):
+                copied[bit // 8] ^= 0x80 >> (bit % 8)
+            sides.append(400 if n % 3 == 0 else 300)
+            copies.append((f"a{n}" if n == 29 else f"b{n}", bytes(copied), weak_bits(rng.random(144), 12),
+                           fingerprint[3], fingerprint[4], sides[-1]))
+        else:
+            copies.append((f"b{n}", rng.integers(0, 256, 18, np.uint8).tobytes(), weak_bits(rng.random(144), 12),
+                           rng.integers(0, 256, 32, np.uint8).tobytes(), rng.integers(0, 256, 1024, np.uint8).tobytes(), 300))
+    for dsn, rows, start in ((shard_a, originals, 0), (shard_b, copies, 100)):
+        assert krea2(["curate", "init", "--dsn", dsn]) == 0
+        _shard_rows(dsn, rows, start)
+        assert krea2(["curate", "work", "--dsn", dsn, "--jobs", "dedup"]) == 0
+    assert all(r["status"] == "kept" for dsn in (shard_a, shard_b) for r in query(dsn, "SELECT status FROM images"))
+
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "curation", "dedup-shards", "--dsn", shard_a, "--dsn", shard_b, "--batch", "4"]
+    run = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    dropped = "SELECT count(*) AS n FROM images WHERE drop_job = 'dedup-shards'"
+    deadline = time.monotonic() + 60
+    count = lambda: query(shard_a, dropped)[0]["n"] + query(shard_b, dropped)[0]["n"]  # noqa: E731
+    while run.poll() is None and time.monotonic() < deadline and not count():
+        time.sleep(0.01)
+    assert run.poll() is None, "dedup-shards finished before it could be killed"
+    os.kill(run.pid, signal.SIGKILL)
+    run.wait()
+    assert 0 < count() < 30
+
+    def state() -> list:
+        return [query(dsn, "SELECT uri, status, drop_reason, shard_duplicate_of FROM images ORDER BY uri")
+                for dsn in (shard_a, shard_b)]
+
+    for _ in range(2):
+        result = subprocess.run(command, env=env, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        if _ == 0:
+            merged = state()
+    assert state() == merged  # the second full run changed nothing
+    uuid_a, uuid_b = (query(dsn, "SELECT id::text FROM curation_shard")[0]["id"] for dsn in (shard_a, shard_b))
+    rows_a = {Path(r["uri"]).stem: r for r in merged[0]}
+    rows_b = {Path(r["uri"]).stem: r for r in merged[1]}
+    for n in range(40):
+        a, b = rows_a[str(n)], rows_b[str(100 + n)]
+        if n >= 30:
+            assert a["status"] == b["status"] == "kept", (n, a, b)
+            continue
+        reason = "exact_duplicate" if n == 29 else "near_duplicate"
+        if sides[n] > 300:  # B's copy is larger: it stays, A's original points at it
+            assert (a["status"], a["drop_reason"], b["status"]) == ("dropped", reason, "kept"), (n, a, b)
+            assert a["shard_duplicate_of"].startswith(uuid_b + ":")
+        else:  # same size: the older (A's, ingested first) stays
+            assert (a["status"], b["status"], b["drop_reason"]) == ("kept", "dropped", reason), (n, a, b)
+            assert b["shard_duplicate_of"].startswith(uuid_a + ":")

@@ -103,7 +103,8 @@ def test_dedup_config_is_validated(tmp_path):
 
     for text, words in (("dedup: {max_hash_distance: 144}", ["max_hash_distance", "144"]),
                         ("dedup: {min_similarity: 1.5}", ["min_similarity", "[-1, 1]"]),
-                        ("dedup: {bands: 2}", ["bands"])):
+                        ("dedup: {bands: 2}", ["bands"]),
+                        ("dedup: {hash_size: 8}", ["hash_size", "8", "index"])):
         path = tmp_path / "curate.yaml"
         path.write_text(text + "\n")
         with pytest.raises(ConfigError) as err:

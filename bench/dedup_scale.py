@@ -1,0 +1,197 @@
+"""The dedup candidate search alone as the warehouse grows (``bench_curation.py --scale``).
+
+For each size N: a fresh table of N synthetic 144-bit pHashes in the embedded Postgres, loaded
+with COPY, the index (curation/hash_index.py) built after loading; then a sample of queries, each
+a near duplicate of a planted row, timed through the warehouse's own candidate query.
+
+Planted near duplicates are real: originals and copies (crops <= 5% a side, resizes to 50-100%,
+JPEG q60-95 and all three, as in tests/test_curation_quality.py) made and fingerprinted with the
+filter job's own functions (hash and weak bits). Each pair is moved to a random place in hash
+space by XOR with a random mask (which keeps its Hamming distance and which bits differ), so the
+bulk is uniform; real photographs' hashes are not (skewed buckets cost more than this shows).
+
+Recall is against the exact scan (:class:`curation.dedup.HashIndex`) at ``max_hash_distance``,
+over the planted pairs within that radius (``recall_vs_exact``). Uniform 144-bit hashes put
+~2.4e-6 of a table within 44 bits of any query (~24 unrelated rows at 1e7): those are reported
+apart (``unrelated_within_radius``, ``unrelated_found``), as the alignment rejects them anyway.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+import time
+
+import numpy as np
+
+from curation.config import CurationConfig
+from curation.dedup import HashIndex
+from curation.hash_index import KEY_COLUMNS, candidates, keys
+
+QUERIES = 100
+"""Planted pairs timed per size (the recall counts them all)."""
+WORKER_QUERIES = 50
+"""Queries each process runs for the 1/2/4-worker throughput."""
+
+
+def real_pairs(count: int, seed: int = 0) -> list[tuple[bytes, bytes, bytes]]:
+    """``(original phash, copy phash, copy weak bits)`` of ``count`` copies, 4 per original."""
+    from PIL import Image
+
+    from curation.filters import thumbnail
+    from curation.screening import filter_outcome
+    from curation.synthetic import copy_of, layout, natural, photo
+
+    config = CurationConfig()
+
+    def fingerprint(image):
+        small = thumbnail(Image.open(io.BytesIO(image)) if isinstance(image, bytes) else image.copy(),
+                          config.filter.analysis_side)
+        values = filter_outcome({"id": 0}, small, config).values
+        return values["phash"], values["phash_weak"]
+
+    rng = np.random.default_rng(seed)
+    pairs = []
+    for n in range((count + 3) // 4):
+        picture = photo(rng, (512, 384), layout=layout(rng)) if n % 2 else natural(rng, (512, 384), grain=4.0)
+        original = fingerprint(picture)[0]
+        crops = lambda: tuple(rng.uniform(0, 0.05, 4))  # noqa: E731
+        for copy in (copy_of(picture, crops(), 1.0, 95),
+                     copy_of(picture, (0, 0, 0, 0), float(rng.uniform(0.5, 1.0)), 95),
+                     copy_of(picture, (0, 0, 0, 0), 1.0, int(rng.integers(60, 96))),
+                     copy_of(picture, crops(), float(rng.uniform(0.5, 1.0)), int(rng.integers(60, 96)))):
+            pairs.append((original, *fingerprint(copy)))
+    return pairs[:count]
+
+
+def _load(conn, hashes: np.ndarray, hash_size: int) -> None:
+    """COPY ``hashes`` ((N, 18) uint8) into a fresh ``images`` table, then build the index."""
+    conn.execute("DROP TABLE IF EXISTS images")
+    key_columns = ", ".join(f"{c} integer" for c in KEY_COLUMNS)
+    conn.execute(f"CREATE TABLE images (id bigint PRIMARY KEY, phash bytea, phash_bits varbit, {key_columns}, "
+                 "colour_hash bytea, thumbnail bytea, dedup_group bigint)")
+    # Binary COPY rows built by numpy (a text COPY formatted in Python took minutes at 1e7).
+    nbytes = hashes.shape[1]
+    fields = [("n", ">i2"), ("id_len", ">i4"), ("id", ">i8"), ("phash_len", ">i4"), ("phash", f"V{nbytes}"),
+              ("bits_len", ">i4"), ("bits_count", ">i4"), ("bits", f"V{nbytes}")]  # varbit: bit count, bytes
+    fields += [x for k in range(len(KEY_COLUMNS)) for x in ((f"k{k}_len", ">i4"), (f"k{k}", ">i4"))]
+    fields += [("group_len", ">i4"), ("group", ">i8")]
+    chunk = 1_000_000
+    columns = f"id, phash, phash_bits, {', '.join(KEY_COLUMNS)}, dedup_group"
+    with conn.cursor().copy(f"COPY images ({columns}) FROM STDIN BINARY") as copy:
+        copy.write(b"PGCOPY\n\xff\r\n\x00" + b"\x00" * 8)  # signature, flags, header extension length
+        for start in range(0, len(hashes), chunk):
+            part = hashes[start:start + chunk]
+            out = np.zeros(len(part), np.dtype(fields))
+            ids = np.arange(start + 1, start + 1 + len(part))
+            out["n"], out["id_len"], out["id"], out["phash_len"] = 4 + len(KEY_COLUMNS), 8, ids, nbytes
+            out["phash"] = out["bits"] = part.view(f"V{nbytes}")[:, 0]
+            out["bits_len"], out["bits_count"] = 4 + nbytes, 8 * nbytes
+            for k, column in enumerate(keys(part, hash_size).T):
+                out[f"k{k}_len"], out[f"k{k}"] = 4, column
+            out["group_len"], out["group"] = 8, ids
+            copy.write(out.tobytes())
+        copy.write(b"\xff\xff")
+    for c in KEY_COLUMNS:  # the schema's index (curation/schema.py, version 4)
+        conn.execute(f"CREATE INDEX images_{c} ON images ({c}) INCLUDE (id, phash_bits) WHERE {c} IS NOT NULL")
+    conn.execute("VACUUM ANALYZE images")  # sets the visibility map, as autovacuum does on a live table
+
+
+def _index_bytes(conn) -> int:
+    return sum(conn.execute(f"SELECT pg_relation_size('images_{c}')").fetchone()[0] for c in KEY_COLUMNS)
+
+
+def _run_queries(dsn: str, queries: list[tuple[bytes, bytes]], radius: int, hash_size: int) -> float:
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True, prepare_threshold=0) as conn:
+        start = time.perf_counter()
+        for phash, weak in queries:
+            candidates(conn, phash, weak, hash_size, radius)
+        return time.perf_counter() - start
+
+
+def _worker(args) -> float:
+    return _run_queries(*args)
+
+
+def load_and_recall(server, rows: int, pairs: list[tuple[bytes, bytes, bytes]], seed: int = 0) -> dict:
+    """One size in its own database: load, then recall against the exact scan over every planted
+    pair. Returns the figures, with ``dsn`` and ``queries`` ((phash, weak) of each planted copy)."""
+    import psycopg
+
+    config = CurationConfig().dedup
+    radius, hash_size = config.max_hash_distance, config.hash_size
+    rng = np.random.default_rng(seed)
+    nbytes = hash_size ** 2 // 8
+    hashes = rng.integers(0, 256, (rows, nbytes), dtype=np.uint8)
+    hashes[:, 0] |= 0x80  # the DC bit is always set in a real pHash
+    slots = rng.choice(rows, len(pairs), replace=False)
+    masks = rng.integers(0, 256, (len(pairs), nbytes), dtype=np.uint8)
+    masks[:, 0] &= 0x7F
+    queries = []
+    for slot, mask, (original, copy, weak) in zip(slots, masks, pairs):
+        hashes[slot] = np.frombuffer(original, np.uint8) ^ mask
+        queries.append(((np.frombuffer(copy, np.uint8) ^ mask).tobytes(), weak))
+    name = f"scale_{rows}"
+    with psycopg.connect(server.uri("postgres"), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    dsn = server.uri(name)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        start = time.perf_counter()
+        _load(conn, hashes, hash_size)
+        load_s = time.perf_counter() - start
+        index_bytes = _index_bytes(conn)
+        shared_buffers = conn.execute("SHOW shared_buffers").fetchone()[0]
+    # The exact scan over every row, as the reference (ids are row numbers + 1).
+    exact = HashIndex(hash_size ** 2, radius)
+    padded = np.zeros((rows, 24), np.uint8)
+    padded[:, 24 - nbytes:] = hashes
+    exact.table = padded.view(">u8").astype(np.uint64)[:, ::-1].copy()
+    del padded, hashes
+    exact.keys, exact.size = np.arange(1, rows + 1), rows
+    planted_found = planted_total = unrelated = unrelated_found = 0
+    with psycopg.connect(dsn, autocommit=True, prepare_threshold=0) as conn:
+        for slot, (phash, weak) in zip(slots, queries):
+            truth = {key for key, _ in exact.query(int.from_bytes(phash, "big"))}
+            got = {row[0] for row in candidates(conn, phash, weak, hash_size, radius)}
+            assert got <= truth, "the index returned a row outside the radius"
+            if slot + 1 in truth:
+                planted_total += 1
+                planted_found += slot + 1 in got
+            unrelated += len(truth - {slot + 1})
+            unrelated_found += len((got & truth) - {slot + 1})
+    return {"rows": rows, "recall_vs_exact": round(planted_found / max(planted_total, 1), 4),
+            "planted_within_radius": planted_total, "unrelated_within_radius": unrelated,
+            "unrelated_found": unrelated_found, "index_bytes_per_row": round(index_bytes / rows, 1),
+            "load_s": round(load_s, 1), "shared_buffers": shared_buffers, "dsn": dsn, "queries": queries}
+
+
+def timing(results: list[dict], rounds: int = 3) -> None:
+    """Per-image query cost of every size, in alternating rounds (a loaded machine's slow spells
+    fall on every size alike; the best round counts), then 1/2/4 workers' images per second."""
+    config = CurationConfig().dedup
+    radius, hash_size = config.max_hash_distance, config.hash_size
+    for result in results:
+        _run_queries(result["dsn"], result["queries"][:30], radius, hash_size)  # warm the plan and the caches
+    for _ in range(rounds):
+        for result in results:
+            sample = result["queries"][:QUERIES]
+            ms = _run_queries(result["dsn"], sample, radius, hash_size) / len(sample) * 1e3
+            result.setdefault("ms_rounds", []).append(round(ms, 3))
+            print(f"  {result['rows']} rows: {ms:.2f} ms an image (load {os.getloadavg()[0]:.1f})", flush=True)
+    for result in results:
+        result["ms_per_image"] = min(result["ms_rounds"])
+        throughput, queries = {}, result["queries"]
+        for workers in (1, 2, 4):
+            jobs = [(result["dsn"], queries[(w * WORKER_QUERIES) % len(queries):][:WORKER_QUERIES], radius, hash_size)
+                    for w in range(workers)]
+            start = time.perf_counter()
+            with multiprocessing.get_context("fork").Pool(workers) as pool:
+                pool.map(_worker, jobs)
+            throughput[str(workers)] = round(sum(len(j[1]) for j in jobs) / (time.perf_counter() - start), 1)
+            print(f"  {result['rows']} rows, {workers} workers: {throughput[str(workers)]} images/s", flush=True)
+        result["images_per_s_by_workers"] = throughput
+        result["load_average_1m"] = round(os.getloadavg()[0], 2)
