@@ -3,7 +3,9 @@ process with the same global batch: FSDP2 for a full fine-tune, DDP for LoRA; va
 for LoRA, Turbo with the adapter) on, samples written once; a rank killed with SIGKILL ends the job,
 and ``--resume`` on 2 processes recomputes the same losses. The LoRA (DDP) comparison runs through
 that kill and resume: one 2-process job shows both (the torchrun steps before the kill and the
-``accelerate launch`` steps after it each equal the 1-process run's).
+``accelerate launch`` steps after it each equal the 1-process run's). Two launches in all: the
+``accelerate launch`` job's processes resume the LoRA run and then run the full fine-tune from
+scratch (COUNT_ALL_REDUCES runs the CLI on each in turn: the heavy imports once per process).
 
 Bound for 2 processes vs 1: the only difference is where float32 sums are split (each process sums
 its half of the global batch, then one all-reduce adds the halves), so per-sample losses agree to a
@@ -18,6 +20,7 @@ counts the gradient all-reduces of the resumed run's steps.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import time
@@ -26,6 +29,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from finetune.config import build_config
@@ -60,7 +64,22 @@ def counted(*args, **kwargs):
 trainer.wrap_model = counted
 atexit.register(lambda: json.dump(calls, open(os.path.join(os.environ["PROBE_DIR"], f"rank{os.environ['RANK']}-allreduce.json"), "w")))
 from finetune.cli import main
-sys.exit(main())
+# Several runs in turn, their arguments separated by "::"; the main process prints "=== exit CODE" after
+# each, on stdout and on stderr (the log).
+runs, current = [], []
+for arg in sys.argv[1:] + ["::"]:
+    if arg == "::":
+        runs.append(current)
+        current = []
+    else:
+        current.append(arg)
+for argv in runs:
+    code = main(argv)
+    if os.environ["RANK"] == "0":
+        print(f"=== exit {code}", flush=True)
+        print(f"=== exit {code}", file=sys.stderr, flush=True)
+    if code:
+        sys.exit(code)
 '''
 
 
@@ -122,15 +141,6 @@ def _assert_two_equal_one(two: Path, one: Path, method: str, steps: int) -> None
     assert model_tensors(folder) == model_tensors(one / "checkpoints" / f"step-{steps}")
 
 
-def test_two_processes_equal_one_full_fine_tune_with_fsdp(tmp_path):
-    cache = tmp_path / "cache"
-    done = launch(_config(tmp_path / "two", cache, "full", batch_size=1), tmp_path, 2, ["-m", "finetune"])
-    log = done.stdout + done.stderr
-    assert "strategy fsdp" in log and "2 process(es)" in log
-    train(build_config(_config(tmp_path / "one", cache, "full", batch_size=2)))
-    _assert_two_equal_one(tmp_path / "two", tmp_path / "one", "full", STEPS)
-
-
 MAX_STEPS, KILL_AFTER, ENDS_WITHIN = 6, 4, 90
 ACCUMULATION = 4
 
@@ -145,14 +155,23 @@ def _rank(launcher_pid: int, rank: int) -> psutil.Process:
     raise AssertionError(f"no process of rank {rank} under the launcher")
 
 
-def test_kill_9_of_rank_1_ends_the_job_and_resume_on_2_processes_with_accelerate(tmp_path):
-    """torchrun, LoRA (DDP), 4 accumulated micro-batches per step: SIGKILL rank 1 once step 4 is
-    logged (after the step-3 checkpoint); the launcher must end the job (non-zero) within
-    ``ENDS_WITHIN`` s, not hang. ``accelerate launch`` on 2 processes then resumes from step 3: the
-    steps logged past the checkpoint come out the same (``rtol=1e-5``: the same processes, the same
-    sums), each of its optimizer steps all-reduces the gradients once (not once per micro-batch),
-    and the run finishes with validation and exports. Every step, before the kill and after the
-    resume, equals a 1-process run's with the same global batch (the module's bound)."""
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Both mechanisms' 2-process runs, with two launches: torchrun (LoRA, DDP, killed) and one
+    ``accelerate launch`` job whose processes resume that run and then run the full fine-tune (FSDP2)
+    from scratch (COUNT_ALL_REDUCES: the CLI on each in turn); then both 1-process references. What
+    the tests check of the killed run is recorded here as it stood before the resume."""
+    tmp_path = tmp_path_factory.mktemp("distributed")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # module-scoped: set up before the function-scoped one_thread fixture
+    try:
+        return _run_jobs(tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_jobs(tmp_path: Path) -> dict:
+    record = {"root": tmp_path}
     out = tmp_path / "run"
     cache = tmp_path / "cache"
     config = _config(out, cache, "lora", batch_size=1, max_steps=MAX_STEPS, accumulation=ACCUMULATION)
@@ -168,24 +187,56 @@ def test_kill_9_of_rank_1_ends_the_job_and_resume_on_2_processes_with_accelerate
         _rank(job.pid, 1).send_signal(signal.SIGKILL)
         killed_at = time.time()
         job.wait(timeout=ENDS_WITHIN)
-        ended_after = time.time() - killed_at
+        record["ended_after"] = time.time() - killed_at
     finally:
         if job.poll() is None:
             job.kill()
-    assert job.returncode != 0, "a job that lost a rank must not report success"
-    print(f"job ended {ended_after:.1f} s after rank 1 was killed")
-    killed = read_metrics(out)
-    assert KILL_AFTER <= len(killed) < MAX_STEPS and not (out / "samples").exists()
-    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-3"]
+    record["killed_returncode"] = job.returncode
+    record["killed"] = read_metrics(out)
+    record["samples_after_kill"] = (out / "samples").exists()
+    record["checkpoints_after_kill"] = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+    record["shards_after_kill"] = sorted(p.name for p in (out / "checkpoints" / "step-3").glob("*.distcp"))
 
-    assert sorted(p.name for p in (out / "checkpoints" / "step-3").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-
+    full = tmp_path / "full"
+    full_config = tmp_path / "full.yaml"
+    full_config.write_text(yaml.safe_dump(_config(full / "two", full / "cache", "full", batch_size=1)))
     probe = tmp_path / "probe.py"
     probe.write_text(COUNT_ALL_REDUCES)
-    done = launch(config, tmp_path, 2, [str(probe)], "--resume", launcher="accelerate")
-    assert "2 process(es), strategy ddp" in done.stdout + done.stderr
+    done = launch(config, tmp_path, 2, [str(probe)], "--resume", "::", str(full_config), launcher="accelerate")
+    outputs, logs = (re.split(r"^=== exit .*$", text, flags=re.M) for text in (done.stdout, done.stderr))
+    assert len(outputs) == len(logs) == 3, done.stdout[-2000:] + done.stderr[-3000:]
+    record["logs"] = [outputs[i] + logs[i] for i in range(2)]  # the resume's, the full run's
+
+    train(build_config(_config(tmp_path / "one", cache, "lora", batch_size=2, max_steps=MAX_STEPS, accumulation=ACCUMULATION)))
+    train(build_config(_config(full / "one", full / "cache", "full", batch_size=2)))
+    return record
+
+
+def test_two_processes_equal_one_full_fine_tune_with_fsdp(jobs):
+    log = jobs["logs"][1]
+    assert "strategy fsdp" in log and "2 process(es)" in log
+    _assert_two_equal_one(jobs["root"] / "full" / "two", jobs["root"] / "full" / "one", "full", STEPS)
+
+
+def test_kill_9_of_rank_1_ends_the_job_and_resume_on_2_processes_with_accelerate(jobs):
+    """torchrun, LoRA (DDP), 4 accumulated micro-batches per step: SIGKILL rank 1 once step 4 is
+    logged (after the step-3 checkpoint); the launcher must end the job (non-zero) within
+    ``ENDS_WITHIN`` s, not hang. ``accelerate launch`` on 2 processes then resumes from step 3: the
+    steps logged past the checkpoint come out the same (``rtol=1e-5``: the same processes, the same
+    sums), each of its optimizer steps all-reduces the gradients once (not once per micro-batch),
+    and the run finishes with validation and exports. Every step, before the kill and after the
+    resume, equals a 1-process run's with the same global batch (the module's bound)."""
+    tmp_path, out = jobs["root"], jobs["root"] / "run"
+    assert jobs["killed_returncode"] != 0, "a job that lost a rank must not report success"
+    print(f"job ended {jobs['ended_after']:.1f} s after rank 1 was killed")
+    killed = jobs["killed"]
+    assert KILL_AFTER <= len(killed) < MAX_STEPS and not jobs["samples_after_kill"]
+    assert jobs["checkpoints_after_kill"] == ["step-3"]
+    assert jobs["shards_after_kill"] == ["__0_0.distcp", "__1_0.distcp"]
+
+    assert "2 process(es), strategy ddp" in jobs["logs"][0]
     for rank in range(2):  # one bucket (the LoRA's gradients are small), one all-reduce per optimizer step
-        calls = json.loads((tmp_path / f"rank{rank}-allreduce.json").read_text())
+        calls = json.loads((tmp_path / f"rank{rank}-allreduce.json").read_text())  # the full run (FSDP) adds none
         assert set(calls) == {0} and len(calls) == MAX_STEPS - 3, (rank, calls)  # steps 4..6, not x ACCUMULATION
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, MAX_STEPS + 1))
@@ -194,6 +245,4 @@ def test_kill_9_of_rank_1_ends_the_job_and_resume_on_2_processes_with_accelerate
         for key in ("loss", "grad_norm", "lr"):
             assert after[key] == pytest.approx(before[key], rel=1e-5), (before["step"], key)
 
-    one = tmp_path / "one"
-    train(build_config(_config(one, cache, "lora", batch_size=2, max_steps=MAX_STEPS, accumulation=ACCUMULATION)))
-    _assert_two_equal_one(out, one, "lora", MAX_STEPS)
+    _assert_two_equal_one(out, tmp_path / "one", "lora", MAX_STEPS)

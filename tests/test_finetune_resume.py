@@ -1,14 +1,15 @@
 """Interrupted runs resume exactly: after ``kill -9`` (from the last checkpoint) and after SIGTERM
 (which writes a checkpoint first), the following losses and the final LoRA equal an uninterrupted
-run's. Real subprocesses, real signals (the two interrupted runs side by side: their start-up overlaps)."""
+run's. Real processes, real signals: the two interrupted runs side by side, forked from one interpreter
+(tests/sigkill_runs.py, which then resumes both with the CLI's ``--resume``, side by side)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -45,33 +46,6 @@ def _config(out: Path, cache: Path) -> dict:
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _start(config: dict, folder: Path) -> subprocess.Popen:
-    path = folder / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "finetune", str(path)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _signal_at_step(processes: dict, steps: dict, signals: dict, timeout: float = 240) -> None:
-    """Send ``signals[out]`` to ``processes[out]`` as soon as the run writing to ``out`` logged
-    ``steps[out]`` steps (the runs polled together)."""
-    deadline = time.time() + timeout
-    waiting = dict(processes)
-    while waiting and time.time() < deadline:
-        for out, process in list(waiting.items()):
-            metrics = out / "metrics.jsonl"
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= steps[out]:
-                process.send_signal(signals[out])
-                del waiting[out]
-            elif process.poll() is not None:
-                pytest.fail(f"training ended before step {steps[out]}:\n{process.stdout.read()[-3000:]}")
-        time.sleep(0.005)
-    for process in waiting.values():
-        process.kill()
-    assert not waiting, f"no step {[steps[out] for out in waiting]} within {timeout}s"
-
-
 def _losses(out: Path) -> list[float]:
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, MAX_STEPS + 1))
@@ -88,26 +62,30 @@ def test_resume_after_kill_9_and_after_sigterm_equals_uninterrupted(tmp_path):
     # kill -9: nothing is saved on the way out; resume from the last periodic checkpoint.
     # SIGTERM: a checkpoint at the current step, then exit 130.
     killed, termed = tmp_path / "killed", tmp_path / "termed"
-    processes = {}
+    paths = []
     for out in (killed, termed):
         out.mkdir()
-        processes[out] = _start(_config(out, cache), out)
-    _signal_at_step(processes, {killed: KILL_AT, termed: TERM_AT}, {killed: signal.SIGKILL, termed: signal.SIGTERM})
+        (out / "config.yaml").write_text(yaml.safe_dump(_config(out, cache)))
+        paths.append(str(out / "config.yaml"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "sigkill_runs.py"), "--resume", str(KILL_AT), paths[0],
+                           f"{paths[1]}@SIGTERM:{TERM_AT}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    reports = dict(zip((killed, termed), (json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"config"'))))
+    assert [r["config"] for r in reports.values()] == paths, done.stdout[-2000:]
 
-    processes[killed].wait()
-    assert processes[killed].returncode == -signal.SIGKILL
-    assert len(read_metrics(killed)) < MAX_STEPS, "the run finished before it was killed"
-    last = max(int(p.name.split("-")[1]) for p in (killed / "checkpoints").glob("step-*"))
+    assert reports[killed]["signal"] == signal.SIGKILL, (reports[killed], done.stderr[-3000:])
+    assert len(reports[killed]["metrics"]) < MAX_STEPS, "the run finished before it was killed"
+    last = max(reports[killed]["checkpoints"])
     assert 8 <= last < MAX_STEPS
 
-    output, _ = processes[termed].communicate(timeout=120)
-    assert processes[termed].returncode == 130, output[-2000:]
-    stopped = read_metrics(termed)[-1]["step"]
-    assert stopped < MAX_STEPS and (termed / "checkpoints" / f"step-{stopped}").is_dir()
+    assert reports[termed]["signal"] is None and reports[termed]["code"] == 130, (reports[termed], done.stderr[-3000:])
+    stopped = reports[termed]["metrics"][-1]["step"]
+    assert stopped < MAX_STEPS and stopped in reports[termed]["checkpoints"]
 
     for out in (killed, termed):
-        result = train(build_config(_config(out, cache)), resume=True)
-        assert not result.interrupted and result.final_step == MAX_STEPS
+        # The resumed run (the CLI: exit 0 is finished, not stopped), every step logged once.
+        assert reports[out]["resumed"] == 0, (out.name, done.stderr[-4000:])
         torch.testing.assert_close(torch.tensor(_losses(out)), torch.tensor(expected), rtol=1e-5, atol=1e-6)
         lora = load_file(str(out / "lora_diffusers.safetensors"))
         assert lora.keys() == expected_lora.keys()

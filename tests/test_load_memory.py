@@ -21,18 +21,20 @@ CONFIG = dict(
 )
 PEAK_RATIO = 1.25
 
-WRITE = """
-import torch, sys
-from krea2_diffusers import Krea2Transformer2DModel, convert_diffusers_to_original
-from krea2_diffusers.files import save_safetensors
-with torch.device("meta"):
-    model = Krea2Transformer2DModel(**{config})
-state = {{}}
-for name, meta in convert_diffusers_to_original(model.state_dict()).items():
-    dtype = torch.float32 if meta.ndim == 1 or name.endswith("modulation.lin") else torch.bfloat16
-    state[name] = torch.empty(meta.shape, dtype=dtype).normal_(0, 0.02)
-save_safetensors(state, sys.argv[1])
-"""
+def write_medium_file(path) -> None:
+    """The CONFIG model in the original layout, bf16 matrices and float32 vectors, random (written here:
+    the file's tensors are freed before any measurement, which runs in its own process)."""
+    from krea2_diffusers import convert_diffusers_to_original
+    from krea2_diffusers.files import save_safetensors
+
+    with torch.device("meta"):
+        model = Krea2Transformer2DModel(**CONFIG)
+    state = {}
+    for name, meta in convert_diffusers_to_original(model.state_dict()).items():
+        dtype = torch.float32 if meta.ndim == 1 or name.endswith("modulation.lin") else torch.bfloat16
+        state[name] = torch.empty(meta.shape, dtype=dtype).normal_(0, 0.02)
+    save_safetensors(state, path)
+
 
 MEASURE = """
 import os, sys, torch
@@ -58,7 +60,7 @@ print(baseline, peak_kb(), params, os.path.getsize(sys.argv[1]))
 @pytest.fixture(scope="module")
 def medium_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("medium") / "krea2-mid.safetensors"
-    subprocess.run([sys.executable, "-c", textwrap.dedent(WRITE.format(config=CONFIG)), str(path)], check=True)
+    write_medium_file(path)
     return path
 
 

@@ -3,6 +3,8 @@ validation and held-out metrics on: each exits 0, logs and exports what 1 proces
 with the same global batch, and writes its samples and log lines once. DRaFT runs 2 accumulated
 micro-batches per step (draft_k 2 and 2 LV steps: several forwards per backward) and its 2-process
 run counts DDP's gradient all-reduces (tests/posttrain_allreduce_worker.py): one per optimizer step.
+The four 2-process runs are one torchrun job whose processes run the CLI on each config in turn
+(tests/posttrain_allreduce_worker.py: the heavy imports once, not once per method and rank).
 
 Bound: the two runs differ only in where float32 sums are split (each process reduces its half of
 the global batch, one all-reduce adds the halves; the noise and timesteps are drawn for the global
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -26,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from finetune.config import build_config
@@ -46,8 +50,10 @@ LEARNING_RATE = 1.0e-3
 ADAM_EPS = 1.0e-3
 TURBO = {"dpo", "grpo"}  # sample a Turbo with the adapter too (the distilled student is sampled as RAW)
 DRAFT_MICRO_BATCHES = 2  # accumulated forwards per optimizer step: all but the last must skip DDP's all-reduce
-# The 2-process DRaFT run goes through a wrapper of the same CLI that records DDP's gradient all-reduces.
-ENTRIES = {"draft": [str(TESTS / "posttrain_allreduce_worker.py")]}
+# The 2-process runs: one job running the same CLI on each config in turn; DRaFT's run records DDP's
+# gradient all-reduces.
+WORKER = str(TESTS / "posttrain_allreduce_worker.py")
+COUNTED = {"draft"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -105,25 +111,26 @@ def _difference_atol(key: str, row: dict, rtol: float, config: dict) -> float:
 
 def test_each_method_on_two_processes_equals_one_with_validation_and_exports(tmp_path):
     two, one = _configs(tmp_path / "two", batch_size=1), _configs(tmp_path / "one", batch_size=2)
-    # One 2-process job at a time (2 single-threaded processes, the 2 cores CI has; four jobs at
-    # once were 8 processes), started one after the other from a thread while this process runs
-    # the 1-process references (1 thread; much of a job's time is start-up and waits on its peer).
-    commands = {}
+    # One 2-process job (2 single-threaded processes, the 2 cores CI has) running the four methods in
+    # turn, started from a thread while this process runs the 1-process references (1 thread; much
+    # of a job's time is start-up and waits on its peer).
+    paths = []
     for method, config in two.items():
-        argv, env = command(config, tmp_path / "two" / f"{method}-launch", 2, ENTRIES.get(method, ["-m", "finetune.posttrain"]))
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS)])
-        commands[method] = argv, env
-    logs, running, stop = {}, [], threading.Event()
+        folder = tmp_path / "two" / f"{method}-launch"
+        folder.mkdir(parents=True)
+        (folder / "config.yaml").write_text(yaml.safe_dump(config))
+        paths += ["--count"] * (method in COUNTED) + [str(folder / "config.yaml")]
+    argv, env = command(two["dpo"], tmp_path / "two" / "dpo-launch", 2, [WORKER], *paths[1:])
+    assert argv[-len(paths):] == paths
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS)])
+    result, running = {}, []
 
-    def run_jobs():
-        for method, (argv, env) in commands.items():
-            if stop.is_set():
-                return
-            job = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            running[:] = [job]
-            logs[method] = job.communicate(timeout=600)[0], job.returncode
+    def run_job():
+        job = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        running.append(job)
+        result["log"] = job.communicate(timeout=4 * 600)[0]
 
-    runner = threading.Thread(target=run_jobs, daemon=True)
+    runner = threading.Thread(target=run_job, daemon=True)
     runner.start()
     sys.path.insert(0, str(TESTS))
     try:
@@ -131,15 +138,17 @@ def test_each_method_on_two_processes_equals_one_with_validation_and_exports(tmp
             posttrain(build_config(config, cls=PosttrainConfig))
         runner.join(timeout=4 * 600)
     finally:
-        stop.set()
         for job in running:
             if job.poll() is None:
                 job.kill()
-    for method in two:
-        assert method in logs, f"{method}: the 2-process job did not finish"
-        log, returncode = logs[method]
-        assert returncode == 0, f"{method}:\n{log[-4000:]}"
-        assert log.count("2 process(es)") == 1, log[-4000:]  # the main process logs, once
+    assert "log" in result, "the 2-process job did not finish"
+    log = result["log"]
+    assert running[0].returncode == 0, log[-4000:]
+    # The main process's lines of each run end with its "=== CONFIG exit CODE" line.
+    ends = [line for line in log.splitlines() if line.startswith("=== ")]
+    assert ends == [f"=== {tmp_path / 'two' / f'{m}-launch' / 'config.yaml'} exit 0" for m in two], log[-4000:]
+    for method, part in zip(two, re.split(r"^=== .*$", log, flags=re.M)):
+        assert part.count("2 process(es)") == 1, (method, part[-4000:])  # the main process logs, once
 
     # Every bucket of DDP's gradients all-reduced exactly once per optimizer step, on both processes
     # (before the fix each of the DRAFT_MICRO_BATCHES forwards armed its backward's all-reduce).

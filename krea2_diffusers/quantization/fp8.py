@@ -42,6 +42,9 @@ def quantize_weight(weight: torch.Tensor, per_row: bool = True) -> tuple[torch.T
     from .bnb_packing import CHUNK_WEIGHTS
 
     w = weight.detach()
+    if w.is_meta:  # a memory plan's model: shapes and dtypes only (the chunked arithmetic on meta costs seconds)
+        scale = torch.empty((w.shape[0], 1) if per_row else (), dtype=torch.float32, device=w.device)
+        return torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device), scale
     rows = max(1, CHUNK_WEIGHTS // max(1, w.shape[1]))
     if per_row:
         scale = torch.empty(w.shape[0], 1, dtype=torch.float32, device=w.device)
