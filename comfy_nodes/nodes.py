@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import comfy_bridge
+from .references import REFERENCES, Krea2ReferenceImage, Krea2TextEncode
 from .models import (
     DTYPES, HUB_TEXT_ENCODER, HUB_VAE, PIPELINES, VARIANTS, LoadSpec, component_choices, default_component, list_files,
     lora_path, memory_presets, transformer_choices,
@@ -28,6 +29,7 @@ PIPELINE = "KREA2_PIPELINE"
 STYLE_REFS = "KREA2_STYLE_REFS"
 CREATIVITY = ["raw", "low", "medium", "high"]
 STYLE_MODES = ("reference", "describe")
+REFERENCE_METHODS = ("index_timestep_zero", "index")  # as krea2_diffusers.presets (a test checks)
 MAX_SEED = 0xFFFFFFFFFFFFFFFF - 16  # room for seed + i in a batch
 MAX_SIZE = 4096
 
@@ -201,11 +203,16 @@ class Krea2Sampler:
                 "denoise": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip": (
                     "With a latent: how much to change it (1 = ignore it, 0 = return it). Without: unused.")}),
                 "mask": ("MASK", {"tooltip": "With a latent: repaint only where the mask is 1 (inpainting)."}),
+                "references": (REFERENCES, {"tooltip": (
+                    "From Krea 2 Reference Image (edit / identity / insertion LoRAs): vision tokens + reference latents.")}),
+                "reference_method": (list(REFERENCE_METHODS), {"default": "index_timestep_zero", "tooltip": (
+                    "index_timestep_zero: reference tokens modulated as timestep 0 (ComfyUI's native Krea 2); "
+                    "index: with each step's timestep.")}),
             },
         }
 
     def sample(self, pipeline, prompt, negative_prompt, width, height, steps, guidance, seed, batch_size, style_refs=(),
-               style_mode="reference", latent=None, denoise=1.0, mask=None):
+               style_mode="reference", latent=None, denoise=1.0, mask=None, references=(), reference_method="index_timestep_zero"):
         from krea2_diffusers.latents import to_model_space, unpack_latents
 
         start = None
@@ -219,6 +226,9 @@ class Krea2Sampler:
         if style_refs:
             extra = {"style_images": [ref[0] for ref in style_refs], "style_strengths": [ref[1] for ref in style_refs],
                      "style_mode": style_mode}
+        if references:
+            extra.update(reference_images=[ref[0] for ref in references], reference_strengths=[ref[1] for ref in references],
+                         reference_method=reference_method)
         total_steps = steps or pipe.preset.num_inference_steps
         callback = comfy_bridge.step_callback(total_steps)
         generators = [torch.Generator().manual_seed(seed + i) for i in range(batch_size)]
@@ -287,6 +297,8 @@ NODE_CLASS_MAPPINGS = {
     "Krea2PromptExpander": Krea2PromptExpander,
     "Krea2StyleReference": Krea2StyleReference,
     "Krea2Sampler": Krea2Sampler,
+    "Krea2ReferenceImage": Krea2ReferenceImage,
+    "Krea2TextEncode": Krea2TextEncode,
 }
 NODE_DISPLAY_NAME_MAPPINGS = {
     "Krea2ModelLoader": "Krea 2 Model Loader",
@@ -294,4 +306,6 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "Krea2PromptExpander": "Krea 2 Prompt Expander",
     "Krea2StyleReference": "Krea 2 Style Reference",
     "Krea2Sampler": "Krea 2 Sampler",
+    "Krea2ReferenceImage": "Krea 2 Reference Image",
+    "Krea2TextEncode": "Krea 2 Text Encode (references)",
 }

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -72,9 +73,53 @@ class StyleReferencesConfig:
 
 
 @dataclass
+class DatasetConfig:
+    """One entry of ``data.datasets``: its own repeats, buckets and caption rules
+    (:mod:`finetune.data.datasets`, :mod:`finetune.data.captions`)."""
+
+    path: str = ""
+    """Folder of images with same-name ``.txt`` captions, or a ``.jsonl`` / ``.parquet`` manifest."""
+    repeats: int = 1
+    resolution: int | None = None
+    """Its own buckets of about ``resolution**2`` pixels (default: ``data.resolution``)."""
+    caption_prefix: str = ""
+    """Put in front of every caption (a trigger word), joined with ", " and never shuffled."""
+    shuffle_tags: bool = False
+    """Shuffle the comma-separated tags of each caption, a new order per epoch (seeded)."""
+    keep_tags: int = 0
+    """With ``shuffle_tags``: the first ``keep_tags`` tags stay in place."""
+    caption_dropout: float | None = None
+    """Probability of training a sample of this dataset with the empty prompt (default: ``data.caption_dropout``)."""
+    is_regularization: bool = False
+    """Prior-preservation images: their loss is weighted by ``training.prior_loss_weight``."""
+
+
+@dataclass
+class ReferencesConfig:
+    """Paired (edit / reference) training: each target image comes with 1 to ``max_references``
+    reference images (``targets/NAME.png`` + ``references/NAME[_k].png``, or a manifest's
+    ``references`` field; see :mod:`finetune.data.pairs`). The loss is on the target's tokens only."""
+
+    max_references: int = 3
+    """A sample with more references is refused before training."""
+    max_pixels: int = 1048576
+    """Each reference's latents keep its own aspect at min(its area, this) pixels (multiples of 16)."""
+    vision_tokens: bool = True
+    """The references enter the Qwen3-VL prompt as vision tokens (before the instruction)."""
+    latents: bool = True
+    """Their clean VAE latents follow the target's tokens at RoPE (k, i, j), modulated as timestep 0."""
+
+
+@dataclass
 class DataConfig:
     path: str | None = None
     """Folder of images with same-name ``.txt`` captions, or a ``.jsonl`` / ``.parquet`` manifest."""
+    datasets: list[DatasetConfig] = field(default_factory=list)
+    """Several datasets in one run, instead of ``path`` (exactly one of the two)."""
+    masks: bool | str = False
+    """Loss masks (:mod:`finetune.data.masks`): ``true``: ``NAME.mask.png`` beside each image; a folder:
+    ``FOLDER/NAME.png``. White trains, black is ignored, grey weighs in between (alpha, when the mask
+    has one, instead of the grey level); a sample without a mask trains everywhere."""
     synthetic: SyntheticDataConfig | None = None
     """Generate a synthetic dataset into ``path`` (or ``<output_dir>/synthetic_data``) instead."""
     resolution: int = 1024
@@ -92,6 +137,8 @@ class DataConfig:
     """DataLoader worker processes reading the cache ahead of training (0: in the training process)."""
     prefetch_factor: int = 2
     style_references: StyleReferencesConfig = field(default_factory=StyleReferencesConfig)
+    references: ReferencesConfig | None = None
+    """Set for paired samples (edit / reference LoRAs): a target and its reference images."""
 
 
 @dataclass
@@ -124,12 +171,19 @@ class LoRAConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: Literal["adamw", "adamw8bit"] = "adamw"
+    name: Literal["adamw", "adamw8bit", "prodigy", "adafactor", "adamw_schedulefree"] = "adamw"
+    """``prodigy`` (prodigyopt; ``learning_rate`` scales its own step-size estimate: use 1.0),
+    ``adafactor`` (``torch.optim.Adafactor``: ``learning_rate`` and ``weight_decay``, torch's
+    defaults for the rest), ``adamw_schedulefree`` (schedulefree; ``lr_scheduler.name`` constant,
+    its warmup kept; validation, checkpoints and exports hold its averaged eval-mode weights).
+    See :mod:`finetune.optim`."""
     learning_rate: float = 1e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 0.0
     eps: float = 1e-8
     max_grad_norm: float | None = 1.0
+    d_coef: float = 1.0
+    """``prodigy`` only: multiplies its step-size estimate (below 1 for a gentler run)."""
 
 
 @dataclass
@@ -145,13 +199,37 @@ class LRSchedulerConfig:
 
 @dataclass
 class ObjectiveConfig:
-    timestep_sampling: Literal["logit_normal", "uniform"] = "logit_normal"
+    timestep_sampling: Literal["logit_normal", "uniform", "sigmoid", "mode", "beta"] = "logit_normal"
+    """Before the shift (formulas in :mod:`finetune.timesteps`): ``logit_normal``
+    sigmoid(logit_mean + logit_std N(0, 1)); ``uniform`` U(0, 1); ``sigmoid`` sigmoid(sigmoid_scale
+    N(0, 1)); ``mode`` SD3's mode sampling with ``mode_scale``; ``beta`` Beta(beta_alpha, beta_beta)."""
     logit_mean: float = 0.0
     logit_std: float = 1.0
+    sigmoid_scale: float = 1.0
+    mode_scale: float = 1.29
+    """In [-1, 2 / (pi - 2)] (= 1.752), where SD3's mode map stays monotone in [0, 1]; 0 is uniform."""
+    beta_alpha: float = 2.0
+    beta_beta: float = 2.0
     shift: Literal["resolution", "fixed", "none"] = "resolution"
     """``resolution``: mu linear from 0.5 at 256 image tokens to 1.15 at 6400; ``fixed``: ``shift_mu``."""
     shift_mu: float = 1.15
     loss_weighting: Literal["none", "cosmap", "sigma_sqrt"] = "none"
+
+
+@dataclass
+class EMAConfig:
+    """An exponential moving average of the trainable parameters (:mod:`finetune.ema`)."""
+
+    decay: float = 0.999
+    """Per update: ``ema = decay * ema + (1 - decay) * weights``."""
+    every_n_steps: int = 1
+    """Update after every N-th optimizer step (the decay applies per update)."""
+    on_cpu: bool = False
+    """Keep the average in host memory (frees accelerator memory; each update copies the weights out)."""
+    export: Literal["ema", "raw", "both"] = "ema"
+    """What the run exports: the average (``ema``), the trained weights (``raw``), or both (the
+    average in the usual files, the trained weights in ``<output_dir>/raw/``). Validation samples
+    the average either way."""
 
 
 @dataclass
@@ -172,6 +250,13 @@ class TrainingConfig:
     """``torch.compile`` each transformer block."""
     offload_blocks: int = 0
     """LoRA only: keep this many transformer blocks' frozen weights on the CPU and stream them in."""
+    ema: EMAConfig | None = None
+    """An EMA of the trainable parameters (adapters or the full model); absent: none."""
+    reference_kv_cache: bool = False
+    """``data.references`` only: reference tokens attend only to reference tokens (the transformer's
+    ``reference_attention="cached"``), so inference can compute their keys/values once."""
+    prior_loss_weight: float = 1.0
+    """Loss weight of the samples of ``data.datasets`` marked ``is_regularization``."""
 
 
 @dataclass
@@ -201,6 +286,9 @@ class ValidationConfig:
     height: int = 1024
     width: int = 1024
     seed: int = 0
+    reference_images: list[list[str]] = field(default_factory=list)
+    """``data.references`` runs: one list of reference images per prompt (the pipeline's
+    ``reference_images``); each sample is saved as the references and the output side by side."""
 
 
 @dataclass
@@ -215,10 +303,24 @@ class ExportConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases: the scalars and validation images of ``metrics.jsonl``, from the main process."""
+
+    project: str = ""
+    run_name: str | None = None
+    """Default: the output folder's name."""
+    mode: Literal["online", "offline"] = "online"
+    """``online`` needs an API key (``WANDB_API_KEY`` or ``wandb login``), checked before anything
+    loads; ``offline`` writes ``<output_dir>/wandb/offline-run-*`` only (``wandb sync`` sends it later)."""
+
+
+@dataclass
 class LoggingConfig:
     log_every_n_steps: int = 1
     tensorboard: bool = True
     progress_bar: bool = True
+    wandb: WandbConfig | None = None
+    """Absent: no W&B logging."""
 
 
 @dataclass
@@ -263,6 +365,92 @@ class TrainConfig:
             raise ConfigError(f"lora.type={lora.type!r} cannot train over model.quantize 'nf4' (PEFT's {lora.type} "
                               "needs the base weight's (out, in) shape, which packed 4-bit weights lose); use fp8 or int8")
 
+    def _validate_references(self) -> None:
+        pairs, validation = self.data.references, self.validation
+        if pairs is None:
+            if self.training.reference_kv_cache:
+                raise ConfigError("training.reference_kv_cache needs data.references (paired samples); "
+                                  "style references choose theirs with data.style_references.attention")
+            if validation.reference_images:
+                raise ConfigError("validation.reference_images needs data.references (paired samples)")
+            return
+        if validation.reference_images and len(validation.reference_images) != len(validation.prompts):
+            raise ConfigError(f"validation.reference_images needs one list of images per prompt: {len(validation.prompts)} "
+                              f"prompt(s), {len(validation.reference_images)} list(s)")
+        if any(not 1 <= len(refs) <= pairs.max_references for refs in validation.reference_images):
+            raise ConfigError(f"validation.reference_images: each prompt takes 1 to data.references.max_references="
+                              f"{pairs.max_references} images, got {[len(refs) for refs in validation.reference_images]}")
+        from krea2_diffusers.conditioning.reference_images import MAX_REFERENCE_IMAGES
+
+        if self.data.style_references.enabled:
+            raise ConfigError("data.references (paired samples) and data.style_references cannot be combined")
+        if not 1 <= pairs.max_references <= MAX_REFERENCE_IMAGES:
+            raise ConfigError(f"data.references.max_references must be in [1, {MAX_REFERENCE_IMAGES}] (the pipeline's "
+                              f"reference_images take at most {MAX_REFERENCE_IMAGES}), got {pairs.max_references}")
+        if pairs.max_pixels < 256:
+            raise ConfigError(f"data.references.max_pixels must be at least 256 (one 16x16 token), got {pairs.max_pixels}")
+        if not (pairs.vision_tokens or pairs.latents):
+            raise ConfigError("data.references: vision_tokens and latents are both false, the references would not enter the model")
+        if self.training.reference_kv_cache and not pairs.latents:
+            raise ConfigError("training.reference_kv_cache needs data.references.latents (it masks the reference latent tokens)")
+
+    def _validate_training_options(self) -> None:
+        """EMA, optimizer, timestep sampler and W&B values (packages are checked by the trainer,
+        still before any model loads: :func:`finetune.optim.check_optimizer_package`)."""
+        ema, optimizer, objective = self.training.ema, self.optimizer, self.objective
+        if ema is not None:
+            if not 0.0 < ema.decay < 1.0:
+                raise ConfigError(f"training.ema.decay must be in (0, 1), got {ema.decay}")
+            if ema.every_n_steps <= 0:
+                raise ConfigError(f"training.ema.every_n_steps must be positive, got {ema.every_n_steps}")
+            if optimizer.name == "adamw_schedulefree":
+                raise ConfigError("training.ema with optimizer.name adamw_schedulefree: schedule-free already averages "
+                                  "its iterates (its eval-mode weights are what the run exports); use one or the other")
+        if optimizer.name == "adamw_schedulefree" and self.lr_scheduler.name != "constant":
+            raise ConfigError(f"optimizer.name adamw_schedulefree replaces the schedule: lr_scheduler.name must be "
+                              f"'constant' (lr_scheduler.warmup_steps still applies), got {self.lr_scheduler.name!r}")
+        if optimizer.d_coef <= 0:
+            raise ConfigError(f"optimizer.d_coef must be positive, got {optimizer.d_coef}")
+        mode_limit = 2 / (math.pi - 2)
+        positive = {"objective.sigmoid_scale": objective.sigmoid_scale, "objective.beta_alpha": objective.beta_alpha,
+                    "objective.beta_beta": objective.beta_beta, "objective.logit_std": objective.logit_std}
+        for key, value in positive.items():
+            if not value > 0:
+                raise ConfigError(f"{key} must be positive, got {value}")
+        if not -1.0 <= objective.mode_scale <= mode_limit:
+            raise ConfigError(f"objective.mode_scale must be in [-1, 2 / (pi - 2) = {mode_limit:.4f}] (SD3's mode map is "
+                              f"monotone in [0, 1] there), got {objective.mode_scale}")
+        wandb = self.logging.wandb
+        if wandb is not None and not wandb.project.strip():
+            raise ConfigError("logging.wandb.project is required (the W&B project the run is logged to)")
+
+    def _validate_datasets(self) -> None:
+        data = self.data
+        if data.datasets and (data.path is not None or data.synthetic is not None):
+            raise ConfigError("give data.datasets or data.path (or data.synthetic), not both")
+        if data.datasets and data.repeats != 1:
+            raise ConfigError("data.repeats applies to data.path; give each entry of data.datasets its own repeats")
+        if self.training.prior_loss_weight < 0:
+            raise ConfigError(f"training.prior_loss_weight must be >= 0, got {self.training.prior_loss_weight}")
+        for i, entry in enumerate(data.datasets):
+            where = f"data.datasets[{i}]"
+            if not entry.path:
+                raise ConfigError(f"{where}.path is required")
+            if entry.repeats <= 0:
+                raise ConfigError(f"{where}.repeats must be positive, got {entry.repeats}")
+            if entry.resolution is not None and entry.resolution < 16:
+                raise ConfigError(f"{where}.resolution must be >= 16 pixels or null, got {entry.resolution}")
+            if entry.keep_tags < 0:
+                raise ConfigError(f"{where}.keep_tags must be >= 0, got {entry.keep_tags}")
+            if entry.caption_dropout is not None and not 0.0 <= entry.caption_dropout < 1.0:
+                raise ConfigError(f"{where}.caption_dropout must be in [0, 1), got {entry.caption_dropout}")
+        if data.datasets and all(entry.is_regularization for entry in data.datasets):
+            raise ConfigError("every entry of data.datasets is_regularization: at least one must hold the images to learn")
+        if data.masks is True or data.masks is False:
+            return
+        if not data.masks.strip():
+            raise ConfigError("data.masks must be true, false or a folder of masks, got an empty string")
+
     def validate(self) -> None:
         """Checks that need more than one field (types are checked while parsing)."""
         positive = {
@@ -284,8 +472,9 @@ class TrainConfig:
             raise ConfigError(f"data.caption_dropout must be in [0, 1), got {self.data.caption_dropout}")
         if not 0 < self.data.min_aspect_ratio <= 1.0 <= self.data.max_aspect_ratio:
             raise ConfigError("data.min_aspect_ratio <= 1 <= data.max_aspect_ratio must hold")
-        if self.requires_data and self.data.path is None and self.data.synthetic is None:
-            raise ConfigError("data.path is required (or data.synthetic for a self-made dataset)")
+        if self.requires_data and self.data.path is None and self.data.synthetic is None and not self.data.datasets:
+            raise ConfigError("data.path is required (or data.datasets, or data.synthetic for a self-made dataset)")
+        self._validate_datasets()
         if self.training.method == "full" and self.model.quantize != "none":
             raise ConfigError(f"model.quantize={self.model.quantize!r} needs training.method=lora (a full fine-tune trains every weight)")
         if self.training.offload_blocks < 0:
@@ -306,7 +495,9 @@ class TrainConfig:
                 raise ConfigError(f"data.style_references.strength_range must be [low, high] with 0 < low <= high, got {refs.strength_range}")
             if refs.resolution is not None and refs.resolution < 16:
                 raise ConfigError(f"data.style_references.resolution must be >= 16 pixels or null, got {refs.resolution}")
+        self._validate_references()
         self._validate_adapter()
+        self._validate_training_options()
         if len(self.optimizer.betas) != 2:
             raise ConfigError(f"optimizer.betas needs two values, got {self.optimizer.betas}")
         if self.training.method == "full" and any(f in ("comfyui", "kohya") for f in self.export.formats):

@@ -22,9 +22,10 @@ from .config import ConfigError, TrainConfig
 from .data.buckets import make_buckets
 from krea2_diffusers.pipelines.host_memory import HostPlan
 
-from .engine.plan import (OPTIMIZER_STATE_BYTES, RUNTIME_OVERHEAD, MemoryPlan, activation_bytes, measure_activations,
-                          quantized_linear_bytes, tensor_bytes)
+from .engine.plan import (RUNTIME_OVERHEAD, MemoryPlan, activation_bytes, measure_activations, quantized_linear_bytes,
+                          tensor_bytes)
 from .methods import ADAPTER_NAME, add_lora, quantize_base
+from .optim import state_bytes
 
 LOG_NAME = "dry-run.log"
 ADAPTER_KINDS = {"lora": "LoRA", "lokr": "LoKr", "loha": "LoHa"}
@@ -53,19 +54,33 @@ class ModelCopies:
 def _meta_inputs(config: TrainConfig, transformer_config: dict, dtype: torch.dtype,
                  copies: ModelCopies) -> tuple[dict, tuple[int, int]]:
     data = config.data
+    # The largest buckets of any dataset (data.datasets: each its own resolution).
+    resolution = max((d.resolution or data.resolution) for d in data.datasets) if data.datasets else data.resolution
     width, height = copies.image_size or max(
-        make_buckets(data.resolution, data.bucket_step, data.min_aspect_ratio, data.max_aspect_ratio), key=lambda b: b[0] * b[1])
+        make_buckets(resolution, data.bucket_step, data.min_aspect_ratio, data.max_aspect_ratio), key=lambda b: b[0] * b[1])
     batch, text = copies.forward_batch or config.training.batch_size, config.model.max_sequence_length
     tokens = (width // PATCH) * (height // PATCH)
+    # Paired samples: the most reference tokens a forward can hold (every reference at max_pixels),
+    # and their vision tokens in the text (Qwen3-VL: one per merged 32x32 patch).
+    pairs = data.references
+    reference_tokens = pairs.max_references * (pairs.max_pixels // PATCH**2) if pairs is not None and pairs.latents else 0
+    if pairs is not None and pairs.vision_tokens:
+        from krea2_diffusers.conditioning.reference_images import VISION_MAX_PIXELS
+
+        text += pairs.max_references * VISION_MAX_PIXELS // 32**2
     with torch.device("meta"):
         inputs = dict(
             hidden_states=torch.empty(batch, tokens, transformer_config.get("in_channels", 64), dtype=dtype),
             encoder_hidden_states=torch.empty(batch, text, transformer_config.get("num_text_layers", 12),
                                               transformer_config.get("text_hidden_dim", 2560), dtype=dtype),
             timestep=torch.empty(batch),
-            position_ids=torch.zeros(text + tokens, 3),
+            position_ids=torch.zeros(text + tokens + reference_tokens, 3),
             return_dict=False,
         )
+        if reference_tokens:
+            inputs.update(reference_hidden_states=torch.empty(batch, reference_tokens, transformer_config.get("in_channels", 64),
+                                                              dtype=dtype),
+                          reference_attention="cached" if config.training.reference_kv_cache else "joint")
     return inputs, (width, height)
 
 
@@ -129,7 +144,9 @@ def build_plan(config: TrainConfig, world_size: int, copies: ModelCopies = Model
         kind = ADAPTER_KINDS[config.lora.type]
         plan.add(f"{kind} r{config.lora.rank} weights (fp32, {count / 1e6:.1f}M{sets})", trainable)
         plan.add(f"{kind} gradients (fp32)", trainable)
-        plan.add(f"optimizer state ({config.optimizer.name})", count * OPTIMIZER_STATE_BYTES[config.optimizer.name])
+        shapes = [p.shape for p in model.parameters() if p.requires_grad]
+        plan.add(f"optimizer state ({config.optimizer.name})", state_bytes(config.optimizer.name, shapes))
+        _add_ema(plan, config, trainable)
         what = f"{kind} r{config.lora.rank} on a {base}base"
     else:
         model.float()
@@ -139,7 +156,9 @@ def build_plan(config: TrainConfig, world_size: int, copies: ModelCopies = Model
         times = f"{copies.trained} x " if copies.trained > 1 else ""
         plan.add(f"fp32 master weights ({times}1/{shards} shard)", 4 * trained / shards)
         plan.add("fp32 gradients (shard)", 4 * trained / shards)
-        plan.add(f"optimizer state ({config.optimizer.name}, shard)", trained * OPTIMIZER_STATE_BYTES[config.optimizer.name] / shards)
+        shapes = [p.shape for p in model.parameters()] * copies.trained
+        plan.add(f"optimizer state ({config.optimizer.name}, shard)", state_bytes(config.optimizer.name, shapes) / shards)
+        _add_ema(plan, config, 4 * trained / shards)
         if copies.frozen:
             times = f"{copies.frozen} x " if copies.frozen > 1 else ""
             plan.add(f"frozen {copies.frozen_name} ({config.model.dtype}, {times}1/{shards} shard, no optimizer state)",
@@ -193,6 +212,13 @@ def plan_text(config: TrainConfig, world_size: int = 1, copies: ModelCopies = Mo
     return text, plan
 
 
+def _add_ema(plan: MemoryPlan, config: TrainConfig, size: float) -> None:
+    """``training.ema``: one float32 copy of what trains (this process's shard), on the device or the host."""
+    ema = config.training.ema
+    if ema is not None:
+        (plan.host_rows if ema.on_cpu else plan.rows).append(("EMA of the trained weights (fp32)", int(size)))
+
+
 def host_plan(config: TrainConfig, plan: MemoryPlan, on_gpu: bool) -> HostPlan:
     """Host RAM of one process: the libraries, the text encoder and VAE, and the transformer's
     streamed load (one block in the file's precision plus the quantizer's temporaries beside the
@@ -231,6 +257,8 @@ def host_plan(config: TrainConfig, plan: MemoryPlan, on_gpu: bool) -> HostPlan:
         host.add(f"{label}, or the load's one block + quantizer temporaries (the larger)", max(training, loading))
     else:
         host.add("the load's one block + quantizer temporaries", loading)
+    for label, size in plan.host_rows:
+        host.add(f"{label}, in host memory", size)
     if not config.validation.prompts:
         host.add("text encoder and VAE (freed after caching, before the transformer loads), beyond the above",
                  max(0, encoders - (host.total - PROCESS_BASELINE)))

@@ -1,38 +1,19 @@
 """Flow-matching objective, matching the sampler's convention (:mod:`krea2_diffusers.sampling`).
 
 ``x_t = (1 - t) x0 + t noise``, the transformer predicts the velocity ``noise - x0``, t in [0, 1]
-with 1 = pure noise. Training times are drawn logit-normal (or uniform) and then pushed through
-the same resolution-dependent exponential shift that RAW samples with, so training spends its
-effort where sampling will spend its steps.
+with 1 = pure noise. Training times come from :mod:`finetune.timesteps` (a sampler, then the same
+resolution-dependent exponential shift that RAW samples with, so training spends its effort where
+sampling will spend its steps); ``sample_timesteps`` is imported here for the modules that take
+it from the objective.
 """
 
 from __future__ import annotations
 
 import torch
 
-from krea2_diffusers.sampling import compute_mu, noised, time_shift
+from krea2_diffusers.sampling import noised
 
-from .config import ObjectiveConfig
-
-
-def sample_timesteps(batch_size: int, image_seq_len: int, config: ObjectiveConfig, generator: torch.Generator) -> torch.Tensor:
-    """(batch_size,) float32 training times in (0, 1).
-
-    Args:
-        image_seq_len: transformer image tokens per sample (latent cells / 4); sets mu.
-        generator: CPU generator; the caller derives it from (seed, step) so runs are reproducible.
-    """
-    if config.timestep_sampling == "logit_normal":
-        normal = torch.randn(batch_size, generator=generator, dtype=torch.float64)
-        t = torch.sigmoid(config.logit_mean + config.logit_std * normal)
-    else:
-        t = torch.rand(batch_size, generator=generator, dtype=torch.float64)
-    if config.shift == "resolution":
-        t = time_shift(t, compute_mu(image_seq_len))
-    elif config.shift == "fixed":
-        t = time_shift(t, config.shift_mu)
-    # Keep t strictly inside (0, 1): t = 0 carries no signal to learn and t = 1 none of x0.
-    return t.clamp(1e-5, 1.0 - 1e-5).float()
+from .timesteps import sample_timesteps  # noqa: F401  (the loader, DPO and pretraining import it from here)
 
 
 def add_noise(latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -55,17 +36,32 @@ def loss_weights(t: torch.Tensor, weighting: str) -> torch.Tensor:
 
 
 def flow_matching_losses(
-    model_pred: torch.Tensor, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, weighting: str = "none"
+    model_pred: torch.Tensor, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, weighting: str = "none",
+    mask: torch.Tensor | None = None, sample_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(B,) weighted per-sample MSE between the predicted velocity and ``noise - latents``; all
-    (B, N, C), t (B,). Computed in float32 whatever the autocast dtype."""
+    (B, N, C), t (B,). Computed in float32 whatever the autocast dtype.
+
+    ``mask``: (B, N, C) loss weights in [0, 1] (:func:`finetune.data.masks.packed_mask`); a sample's
+    loss is then ``sum(mask * err^2) / sum(mask)``: the mean over its masked area, so a small
+    subject trains as strongly as a whole image, and an element of weight 0 gets exactly zero
+    gradient. ``sample_weights``: (B,) factors, e.g. ``training.prior_loss_weight`` on regularisation samples.
+    """
     target = noise.float() - latents.float()
-    per_sample = (model_pred.float() - target).pow(2).flatten(1).mean(1)
-    return loss_weights(t.float(), weighting) * per_sample
+    error = (model_pred.float() - target).pow(2)
+    if mask is None:
+        per_sample = error.flatten(1).mean(1)
+    else:
+        weights = mask.float().expand_as(error)
+        # A mask cropped to nothing by its bucket has zero area: its sample then adds 0, not 0/0.
+        per_sample = (weights * error).flatten(1).sum(1) / weights.flatten(1).sum(1).clamp_min(1e-12)
+    per_sample = loss_weights(t.float(), weighting) * per_sample
+    return per_sample if sample_weights is None else sample_weights.float() * per_sample
 
 
 def flow_matching_loss(
-    model_pred: torch.Tensor, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, weighting: str = "none"
+    model_pred: torch.Tensor, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, weighting: str = "none",
+    mask: torch.Tensor | None = None, sample_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The batch mean of :func:`flow_matching_losses`."""
-    return flow_matching_losses(model_pred, latents, noise, t, weighting).mean()
+    return flow_matching_losses(model_pred, latents, noise, t, weighting, mask, sample_weights).mean()

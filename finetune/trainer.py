@@ -4,6 +4,7 @@ feature cache), ``methods`` (LoRA / full), ``objective``, ``optim``, ``export``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -15,16 +16,17 @@ import torch
 
 from .config import ConfigError, TrainConfig
 from .data.cache import build_cache
+from .data.datasets import SampleRules
 from .data.encoding import position_ids
 from .data.samples import prepare_samples
 from .engine import checkpoint as ckpt
 from .engine.loader import CachedFeatures, GlobalBatch, ResumableSampler, make_loader, step_layout
-from .engine.parallel import full_state_dict, no_sync, unwrap, wrap_model
+from .engine.parallel import full_state_dict, no_sync, trainable_state, unwrap, wrap_model
 from .engine.runtime import setup_runtime
-from .metrics import MetricsLogger
+from .metrics import MetricsLogger, check_wandb
 from .methods import add_lora, check_quantize, quantize_base, trainable_parameter_count
 from .objective import add_noise, flow_matching_loss
-from .optim import make_lr_scheduler, make_optimizer
+from .optim import check_optimizer_package, eval_weights, has_eval_weights, make_lr_scheduler, make_optimizer
 from .rundir import RunDirectoryError, check_output_dir, config_fingerprint
 from .stop import StopRequest
 
@@ -56,6 +58,9 @@ class Trainer:
         self.resume = resume
         self.runtime = setup_runtime(config)
         check_quantize(config.model.quantize, self.runtime.device)  # before any model loads
+        check_optimizer_package(config.optimizer, self.runtime.strategy)
+        check_wandb(config.logging.wandb)
+        self.ema = None  # the trainable parameters' EMA (training.ema), made once they exist
         self.out = Path(config.output_dir)
         self.lora = config.training.method == "lora"
         # Further scalars of the last step for metrics.jsonl (post-training's rewards, margins ...).
@@ -68,15 +73,24 @@ class Trainer:
         config, runtime = self.config, self.runtime
         check_output_dir(self.out, config, self.resume)
         self.samples, self.buckets, _ = prepare_samples(config, self.out, runtime)
-        self.style_groups = None
+        # The reference source of each forward (style groups, or paired samples' cached references)
+        # and the batching key: rows of one forward share a bucket and, for pairs, reference sizes.
+        self.references, self.batch_keys = None, self.buckets
         if config.data.style_references.enabled:
             from .data.style_groups import StyleGroups
 
-            self.style_groups = StyleGroups(self.samples, config.data.style_references)
+            self.references = StyleGroups(self.samples, config.data.style_references)
+        if config.data.references is not None:
+            from .data.pairs import batch_keys, check_reference_files
+
+            check_reference_files(config.validation.reference_images, "validation.reference_images")
+            self.batch_keys = batch_keys(self.samples, self.buckets, config.data.references.max_pixels)
         self.global_batch = self._global_batch()
         self.layout = step_layout(self.global_batch, runtime.rank, runtime.world_size)
         runtime.barrier()
         self.record_run()
+        self.sample_rules = SampleRules.of(config, self.samples, self._batches(),
+                                           config.training.max_steps * self.global_batch.accumulation, self.out, runtime.is_main)
 
         from krea2_diffusers.loaders.assembly import check_text_width
 
@@ -89,7 +103,16 @@ class Trainer:
         self.cache = build_cache(
             self.pipe, self.samples, self.buckets, config.data.cache_dir or self.out / "cache",
             config.model.max_sequence_length, runtime.device, runtime.rank, runtime.world_size, runtime.barrier,
+            captions=self.sample_rules.captions,
         )
+        if config.data.references is not None:
+            from .data.pair_features import build_pair_cache
+
+            dropout = max([config.data.caption_dropout] + [d.caption_dropout or 0.0 for d in config.data.datasets])
+            self.references = build_pair_cache(
+                self.pipe, self.samples, config.data.references, config.data.cache_dir or self.out / "cache", dropout,
+                config.model.max_sequence_length, runtime.device, runtime.rank, runtime.world_size, runtime.barrier,
+                captions=[variants[0] for variants in self.sample_rules.captions])
         text_encoder = SimpleNamespace(config=self.pipe.text_encoder.config)  # its width, checked once the transformer is there
         release_encoders(self.pipe, keep=bool(config.validation.prompts))
         # The data-loader workers fork now, while this process is small: forked later, they would
@@ -109,6 +132,10 @@ class Trainer:
             self.pipe.register_modules(transformer=self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, config.optimizer)
+        if config.training.ema is not None:
+            from .ema import EMA
+
+            self.ema = EMA(trainable_state(self.model), config.training.ema)
         self.lr_scheduler = make_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.max_steps)
         restored = self._restore() if self.resume else 0
         if restored != self.start_step:
@@ -175,7 +202,9 @@ class Trainer:
                 logger.warning("--resume: no checkpoint in %s yet, starting from step 0", self.checkpointer.folder)
             return 0
         state = self.checkpointer.load(latest, self.model, self.optimizer, trainable_only=self.lora,
-                                       expected=self._expected_state())
+                                       expected=self._expected_state(), extra=self.extra_state())
+        if has_eval_weights(self.optimizer):  # the checkpoint holds the eval-mode weights (see save): train from them
+            self.optimizer.train()
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         if state["world_size"] != self.runtime.world_size and self.runtime.is_main:
             logger.info("resuming %s (written by %d process(es)) on %d: the global batch of %d samples is kept",
@@ -189,17 +218,20 @@ class Trainer:
         grid = item["grid"].tolist()
         batch["positions"] = position_ids(item["embeds"].shape[1], grid[0], grid[1], device)
         batch["ids"] = item["ids"].tolist()
-        if "references" in batch:  # style-reference training: [text, image, references]
+        if "references" in batch:  # reference training: [text, image, references]
             batch["positions"] = torch.cat([batch["positions"], batch.pop("reference_positions")])
+        if "reference_ids" in item:  # style references: which samples served as references
             batch["reference_ids"] = item["reference_ids"].tolist()
         return batch
 
     def reference_kwargs(self, batch: dict) -> dict:
-        """The transformer's style-reference arguments for a batch (none without references)."""
+        """The transformer's reference arguments for a batch (none without reference latents); the
+        references are modulated as timestep 0 (the transformer's default ``index_timestep_zero``)."""
         if "references" not in batch:
             return {}
-        return dict(reference_hidden_states=batch["references"], key_bias=batch["key_bias"],
-                    reference_attention=self.config.data.style_references.attention)
+        cached = self.config.training.reference_kv_cache or self.config.data.style_references.attention == "cached"
+        return dict(reference_hidden_states=batch["references"], key_bias=batch.get("key_bias"),
+                    reference_attention="cached" if cached else "joint", reference_method="index_timestep_zero")
 
     def train_step(self, step: int, items) -> tuple[float, float]:
         """One optimizer step over this process's forwards; returns (loss, grad norm).
@@ -223,7 +255,8 @@ class Trainer:
                         **self.reference_kwargs(batch),
                     )[0]
                 size = len(batch["ids"])
-                loss_sum = flow_matching_loss(pred, batch["x0"], batch["noise"], batch["t"], config.objective.loss_weighting) * size
+                loss_sum = flow_matching_loss(pred, batch["x0"], batch["noise"], batch["t"], config.objective.loss_weighting,
+                                              batch.get("loss_mask"), batch.get("sample_weights")) * size
                 value = float(loss_sum.detach())
                 if not math.isfinite(runtime.sum(0.0 if math.isfinite(value) else math.inf)):
                     names = [self.samples[i].image_path.name for i in batch["ids"]]
@@ -244,14 +277,30 @@ class Trainer:
 
     # ---------------------------------------------------------------- checkpoints and export
     def save(self, step: int) -> None:
+        """A checkpoint of step ``step``, holding the weights to evaluate (:func:`~.optim.eval_weights`)."""
+        ema = self.config.training.ema
         state = {**self._expected_state(), "lr_scheduler": self.lr_scheduler.state_dict(), "data": {"next_step": step},
                  "method": self.config.training.method,
                  "transformer_config": _json_roundtrip({k: v for k, v in dict(unwrap(self.model).config).items()
                                                         if not k.startswith("_")}),
                  "base_model": self.config.export.base_model or self.config.model.pretrained_model_name_or_path,
                  "lora": _json_roundtrip(vars(self.config.lora)) if self.lora else None,
-                 "export": self.export_hints()}
-        self.checkpointer.save(step, self.model, self.optimizer, trainable_only=self.lora, train_state=state)
+                 "export": self.export_hints(),
+                 "ema": {"decay": ema.decay, "every_n_steps": ema.every_n_steps, "export": ema.export} if ema else None}
+        with eval_weights(self.optimizer):
+            self.checkpointer.save(step, self.model, self.optimizer, trainable_only=self.lora, train_state=state,
+                                   extra=self.extra_state())
+
+    def extra_state(self) -> dict:
+        """Checkpoint sections beside the model and optimizer: the EMA's (``ema.<name>``)."""
+        return {"ema": self.ema.state} if self.ema is not None else {}
+
+    def run_validation(self, validator, step: int, metrics: MetricsLogger) -> None:
+        """Sample the validation prompts with the weights the run delivers: the EMA when there is
+        one, schedule-free's eval-mode weights, else the trained weights."""
+        averaged = self.ema.applied() if self.ema is not None else contextlib.nullcontext()
+        with eval_weights(self.optimizer), averaged:
+            validator.run(self.model, step, metrics, self.lora_layers() if self.lora else None)
 
     def export_hints(self) -> dict:
         """What the export takes from the checkpoint: ``model_prefix`` (the part of the model that
@@ -267,6 +316,11 @@ class Trainer:
         if self.runtime.is_main:
             path = self.checkpointer.folder / ckpt.checkpoint_name(step)
             written = export_checkpoint(path, self.out, self.config.export.formats, self.config.export.trigger_words)
+            ema = self.config.training.ema
+            if ema is not None and ema.export == "both":  # the average above, the trained weights beside it
+                (self.out / "raw").mkdir(exist_ok=True)
+                written += export_checkpoint(path, self.out / "raw", self.config.export.formats,
+                                             self.config.export.trigger_words, weights="raw")
         self.runtime.barrier()
         return written
 
@@ -283,8 +337,11 @@ class Trainer:
     # ---------------------------------------------------------------- the loop
     def _dataset(self) -> CachedFeatures:
         config = self.config
+        rules = getattr(self, "sample_rules", None)  # per-dataset caption dropout, loss weights, masks
         return CachedFeatures(self.cache, self._batches(), self.global_batch, config.training.seed,
-                              config.data.caption_dropout, config.objective, getattr(self, "style_groups", None))
+                              rules.caption_dropout if rules else config.data.caption_dropout, config.objective,
+                              getattr(self, "references", None), sample_weights=rules.sample_weights if rules else None,
+                              masked=bool(config.data.masks))
 
     def step_inputs(self):
         """What ``train_step`` draws its inputs from, from the resumed step on (the engine's DataLoader)."""
@@ -297,7 +354,7 @@ class Trainer:
     def _batches(self):
         from .data.buckets import BucketBatches
 
-        return BucketBatches(self.buckets, self.global_batch.micro_batch, seed=self.config.training.seed,
+        return BucketBatches(self.batch_keys, self.global_batch.micro_batch, seed=self.config.training.seed,
                              shuffle=self.config.data.shuffle)
 
     def train(self) -> TrainResult:
@@ -313,7 +370,8 @@ class Trainer:
 
         validator = Validator(config, self.pipe, runtime, self.out)
         metrics = MetricsLogger(self.out, runtime.is_main, self.start_step, config.training.max_steps,
-                                config.logging.tensorboard, config.logging.progress_bar, config.logging.log_every_n_steps)
+                                config.logging.tensorboard, config.logging.progress_bar, config.logging.log_every_n_steps,
+                                wandb=config.logging.wandb, run_config=config.to_dict())
         result = TrainResult(self.out, self.start_step)
         every = config.checkpointing.every_n_steps
         step = self.start_step
@@ -327,20 +385,27 @@ class Trainer:
                 loss, grad_norm = self.train_step(step, items)
                 step += 1
                 result.losses[step] = loss
+                if self.ema is not None:
+                    self.ema.update(step)  # before this step's checkpoint, which holds the average
                 metrics.log(step, loss, lr, grad_norm, self.extra_metrics)
                 # After the last step a stop changes nothing: the run finishes its export, as done.
                 last = step == config.training.max_steps
                 stopping = runtime.any(stop.requested) and not last
-                if stopping or (every > 0 and step % every == 0) or last:
-                    self.save(step)
-                if validator.due(step):
-                    validator.run(self.model, step, metrics, self.lora_layers() if self.lora else None)
+                saving = stopping or (every > 0 and step % every == 0) or last
+                # One switch to the eval-mode weights for the checkpoint and the samples after it: a
+                # run resumed from the checkpoint switches back from the same weights (schedule-free).
+                if saving or validator.due(step):
+                    with eval_weights(self.optimizer):
+                        if saving:
+                            self.save(step)
+                        if validator.due(step):
+                            self.run_validation(validator, step, metrics)
                 result.interrupted = stopping
             self.checkpointer.wait()
             result.final_step = step
             if not result.interrupted:
                 if validator.enabled and not validator.due(step):
-                    validator.run(self.model, step, metrics, self.lora_layers() if self.lora else None)
+                    self.run_validation(validator, step, metrics)
                 if ckpt.latest_checkpoint(self.checkpointer.folder) is not None:
                     result.exported = self.export(step)
         finally:

@@ -30,10 +30,27 @@ class Validator:
     def _sample(self, pipe, steps: int, guidance: float):
         v = self.config.validation
         generators = [torch.Generator().manual_seed(v.seed + i) for i in range(len(v.prompts))]
+        if v.reference_images:  # paired training: each prompt with its own references
+            return [self._referenced(pipe, prompt, refs, steps, guidance, generator)
+                    for prompt, refs, generator in zip(v.prompts, v.reference_images, generators)]
         return pipe(
             v.prompts, negative_prompt=v.negative_prompt if guidance > 0 else None, height=v.height, width=v.width,
             num_inference_steps=steps, guidance_scale=guidance, generator=generators, output_type="pil",
         ).images
+
+    def _referenced(self, pipe, prompt: str, references: list[str], steps: int, guidance: float, generator):
+        """One sample of an edit / reference LoRA: its references and the output side by side."""
+        from krea2_diffusers.conditioning.references import load_reference_images
+
+        v, pairs = self.config.validation, self.config.data.references
+        image = pipe(
+            prompt, negative_prompt=v.negative_prompt if guidance > 0 else None, height=v.height, width=v.width,
+            num_inference_steps=steps, guidance_scale=guidance, generator=generator, output_type="pil",
+            reference_images=references, reference_vision_tokens=pairs.vision_tokens, reference_latents=pairs.latents,
+            reference_max_pixels=pairs.max_pixels,
+            reference_attention="cached" if self.config.training.reference_kv_cache else "joint",
+        ).images[0]
+        return side_by_side(load_reference_images(references, what="validation reference image") + [image])
 
     def run(self, model: torch.nn.Module, step: int, metrics, lora_layers=None) -> list[Path]:
         """Every process must call this, at the same step; the main one samples and saves.
@@ -87,3 +104,17 @@ class Validator:
             delete_lora(transformer, "validation")
         apply_lora_layers(transformer, lora_layers, adapter_name="validation")
         return self._turbo
+
+
+def side_by_side(images: list) -> "PIL.Image.Image":
+    """The images left to right in one RGB image, each scaled to the last one's height (aspect kept)."""
+    import PIL.Image
+
+    height = images[-1].height
+    scaled = [im if im.height == height else im.resize((max(1, round(im.width * height / im.height)), height)) for im in images]
+    sheet = PIL.Image.new("RGB", (sum(im.width for im in scaled), height))
+    left = 0
+    for im in scaled:
+        sheet.paste(im.convert("RGB"), (left, 0))
+        left += im.width
+    return sheet

@@ -19,6 +19,22 @@ TURBO = SamplerPreset("turbo", num_inference_steps=8, guidance_scale=0.0, is_dis
 # How style-reference tokens attend (see ``models.transformer.Krea2Transformer2DModel.prepare_conditioning``):
 # "joint" (to every token, as the community LoRA was trained) or "cached" (only among themselves).
 REFERENCE_ATTENTION = ("joint", "cached")
+# How reference tokens are modulated, as ComfyUI's Kontext reference methods name it:
+# "index_timestep_zero" (reference k at RoPE (k, i, j), modulated as timestep 0, ComfyUI's native Krea 2
+# with ``ref_latents``) or "index" (same positions, modulated with the step's own timestep).
+REFERENCE_METHODS = ("index_timestep_zero", "index")
+
+
+def check_reference_options(reference_attention: str, reference_method: str) -> None:
+    """Refuse unknown values, and "cached" attention with the "index" method (whose reference
+    keys/values change every step)."""
+    if reference_attention not in REFERENCE_ATTENTION:
+        raise ValueError(f"reference_attention must be one of {REFERENCE_ATTENTION}, got {reference_attention!r}")
+    if reference_method not in REFERENCE_METHODS:
+        raise ValueError(f"reference_method must be one of {REFERENCE_METHODS}, got {reference_method!r}")
+    if reference_method == "index" and reference_attention == "cached":
+        raise ValueError('reference_method="index" modulates the references with each step\'s timestep, so their '
+                         'keys/values cannot be cached: use reference_attention="joint"')
 
 # The memory knob's values (see ``pipelines.memory.apply_memory_preset``), here so the CLI needs no torch to list them.
 MEMORY_PRESETS = ("auto", "high", "24gb", "16gb", "12gb", "8gb")

@@ -75,3 +75,32 @@ def comfy_patched(comfyui, files: list[Path], prefix: str) -> tuple[dict, dict[P
         (saved,) = (comfyui.base / "output" / "patched").glob(f"{prefix}_{path.stem}_*.safetensors")
         patched[path] = {k.removeprefix("model.diffusion_model."): v for k, v in load_file(str(saved)).items()}
     return load_file(str(models / "diffusion_models" / COMFY_BASE_NAME)), patched
+
+
+class DiedAfterStep(Exception):
+    """The in-process stand-in for a kill: raised right after a step's metrics row is written."""
+
+
+def dying_metrics_logger(kill_at: int) -> type:
+    """A ``MetricsLogger`` that raises :class:`DiedAfterStep` once step ``kill_at``'s row is written
+    (patched over ``finetune.trainer.MetricsLogger``: the run dies there, as if killed)."""
+    from finetune.metrics import MetricsLogger
+
+    class DyingMetricsLogger(MetricsLogger):
+        def log(self, step: int, *args, **kwargs) -> None:
+            super().log(step, *args, **kwargs)
+            if step == kill_at:
+                raise DiedAfterStep(step)
+
+    return DyingMetricsLogger
+
+
+def with_overrides(raw: dict, overrides: dict) -> dict:
+    """``raw`` with each ``{"a.b.c": value}`` set at its dotted path (missing sections created)."""
+    for dotted, value in overrides.items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return raw

@@ -279,8 +279,9 @@ def test_the_caption_endpoint_fills_missing_captions_inside_the_data_roots_only(
     assert "hostname" not in str(refused.value)
     endpoints = client.view_api(print_info=False, return_format="dict")["named_endpoints"]
     assert [p["parameter_name"] for p in endpoints["/train_caption"]["parameters"]] == ["rows"]
-    captions = endpoints["/train_start"]["parameters"][-1]
-    assert captions["parameter_name"] == "captions" and captions["parameter_default"] == "required"
+    start = {p["parameter_name"]: p for p in endpoints["/train_start"]["parameters"]}
+    assert start["captions"]["parameter_default"] == "required"
+    assert start["masks"]["parameter_default"] is False and start["regularization_folder"]["parameter_default"] in ("", None)
 
 
 def test_uploaded_images_are_copied_into_the_run_folder(tmp_path):

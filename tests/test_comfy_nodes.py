@@ -95,7 +95,8 @@ def tiny_model():
 # ----------------------------------------------------------------------------- schemas
 def test_every_node_has_a_complete_v1_schema():
     assert set(comfy_nodes.NODE_CLASS_MAPPINGS) == set(comfy_nodes.NODE_DISPLAY_NAME_MAPPINGS) == {
-        "Krea2ModelLoader", "Krea2LoraLoader", "Krea2PromptExpander", "Krea2StyleReference", "Krea2Sampler"}
+        "Krea2ModelLoader", "Krea2LoraLoader", "Krea2PromptExpander", "Krea2StyleReference", "Krea2Sampler",
+        "Krea2ReferenceImage", "Krea2TextEncode"}
     for name, node_class in comfy_nodes.NODE_CLASS_MAPPINGS.items():
         assert node_class.CATEGORY == "Krea2" and node_class.DESCRIPTION
         assert callable(getattr(node_class, node_class.FUNCTION))
@@ -234,6 +235,25 @@ def test_sampler_with_style_references(tiny_model):
     torch.testing.assert_close(sample(off), plain, atol=0, rtol=0)  # strength 0 removes a reference exactly
 
 
+def test_sampler_with_reference_images_is_the_pipelines(tiny_model):
+    """Native IMAGEs -> Krea 2 Reference Image -> Sampler: the pipeline's reference_images, both methods."""
+    pixels = torch.rand(1, 48, 80, 3, generator=torch.Generator().manual_seed(0))
+    (refs,) = run_node("Krea2ReferenceImage", image=pixels, strength=1.0)
+    (refs,) = run_node("Krea2ReferenceImage", image=pixels[:, :32, :32], strength=0.5, references=refs)
+    pipe = tiny_model.pipeline()
+    args = dict(pipeline=tiny_model, prompt="make it red", negative_prompt="", width=32, height=32, steps=2, guidance=0.0,
+                seed=0, batch_size=1)
+    images = comfy_bridge.comfy_to_pil(pixels) + comfy_bridge.comfy_to_pil(pixels[:, :32, :32])
+    for method in ("index_timestep_zero", "index"):
+        (image, _) = run_node("Krea2Sampler", references=refs, reference_method=method, **args)
+        with torch.inference_mode():
+            expected = pipe("make it red", height=32, width=32, num_inference_steps=2, guidance_scale=0.0, output_type="np",
+                            generator=[torch.Generator().manual_seed(0)], reference_images=images,
+                            reference_strengths=[1.0, 0.5], reference_method=method).images
+        torch.testing.assert_close(image, torch.from_numpy(expected), atol=0, rtol=0)
+    assert (image - run_node("Krea2Sampler", **args)[0]).abs().max() > 1e-4
+
+
 def test_lora_loader_stacks_without_touching_the_pipeline(models_dir, tiny_model):
     (one,) = run_node("Krea2LoraLoader", pipeline=tiny_model, lora_name="krea2-style-lora.safetensors", strength=0.7)
     (two,) = run_node("Krea2LoraLoader", pipeline=one, lora_name="krea2-style-lora.safetensors", strength=0.5)
@@ -280,8 +300,10 @@ def test_choices_match_the_library():
     from krea2_diffusers.conditioning.expander import CREATIVITY_LEVELS
     from krea2_diffusers.pipelines.memory import MEMORY_PRESETS
     from krea2_diffusers.conditioning.style import STYLE_MODES
+    from krea2_diffusers.presets import REFERENCE_METHODS
 
     assert nodes.CREATIVITY == list(CREATIVITY_LEVELS) and nodes.STYLE_MODES == tuple(STYLE_MODES)
+    assert nodes.REFERENCE_METHODS == REFERENCE_METHODS
     assert declared_inputs(nodes.Krea2ModelLoader)["memory"][0] == list(MEMORY_PRESETS)
 
 

@@ -33,6 +33,7 @@ NOT_IN_A_CLONE = ("data", "packs", "outputs")
 COVERED_ELSEWHERE = {
     "app.py": "tests/test_app.py serves the demo on tiny-random and drives it in a browser",
     "examples/train_lora_tiny.yaml": "tests/test_finetune_train.py trains a tiny-random LoRA on a synthetic set",
+    "examples/train_edit_lora_tiny.yaml": "tests/test_finetune_pairs.py trains its config on its synthetic pairs",
     "examples/posttrain_dpo_tiny.yaml": "tests/test_posttrain_dpo.py runs DPO on tiny-random with synthetic pairs",
     "examples/posttrain_grpo_tiny.yaml": "tests/test_posttrain_grpo.py runs GRPO on tiny-random",
     "examples/posttrain_draft_tiny.yaml": "tests/test_posttrain_draft.py runs DRaFT on tiny-random",

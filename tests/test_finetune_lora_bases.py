@@ -33,10 +33,10 @@ from safetensors.torch import load_file
 import finetune.trainer
 from finetune.config import ConfigError, build_config
 from finetune.engine.checkpoint import latest_checkpoint
-from finetune.metrics import MetricsLogger, read_metrics
+from finetune.metrics import read_metrics
 from finetune.trainer import Trainer
 from krea2_diffusers.models.tiny import save_random_original_file
-from lora_checks import comfy_model_config, comfy_patched, fixed_batch_loss
+from lora_checks import DiedAfterStep, comfy_model_config, comfy_patched, dying_metrics_logger, fixed_batch_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 BASES = ("none", "fp8", "int8", "nf4")
@@ -67,15 +67,6 @@ def run_config(root: Path, model: Path, quantize: str) -> dict:
     }
 
 
-class DiedAfterStep(Exception):
-    """The in-process stand-in for a kill: raised right after a step's metrics row is written."""
-
-
-class DyingMetricsLogger(MetricsLogger):
-    def log(self, step: int, *args, **kwargs) -> None:
-        super().log(step, *args, **kwargs)
-        if step == KILL_AT:
-            raise DiedAfterStep(step)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +92,7 @@ def runs(tmp_path_factory):
     torch.set_num_threads(1)  # module-scoped: set up before the function-scoped one_thread fixture
     try:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(finetune.trainer, "MetricsLogger", DyingMetricsLogger)
+            patch.setattr(finetune.trainer, "MetricsLogger", dying_metrics_logger(KILL_AT))
             for quantize in BASES:
                 if quantize != KILLED:
                     with pytest.raises(DiedAfterStep):

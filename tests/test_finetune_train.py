@@ -22,6 +22,7 @@ from finetune.metrics import read_metrics
 from finetune.trainer import NonFiniteLossError, RunDirectoryError, Trainer, train
 from krea2_diffusers import Krea2Pipeline
 from krea2_diffusers.loaders.lora import delete_lora, read_lora_file
+from lora_checks import with_overrides
 
 _CHANNEL_MAP = torch.randn(16, 3, generator=torch.Generator().manual_seed(0))
 
@@ -49,13 +50,7 @@ def lora_config(out, cache, **overrides) -> dict:
         "export": {"trigger_words": ["tinystyle"]},
         "logging": {"progress_bar": False},
     }
-    for dotted, value in overrides.items():
-        node = raw
-        *parents, leaf = dotted.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return raw
+    return with_overrides(raw, overrides)
 
 
 @pytest.fixture(scope="module")

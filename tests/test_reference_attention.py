@@ -159,3 +159,38 @@ def test_moodboard_limits_are_named():
         check_style_inputs([], None, moodboard=True)
     with pytest.raises(ValueError, match=f"at most {MAX_MOODBOARD_IMAGES}"):
         check_style_inputs(["x.png"] * (MAX_MOODBOARD_IMAGES + 1), None, moodboard=True)
+
+
+def test_cached_reference_images_with_a_lora_equal_the_masked_joint_pass(monkeypatch):
+    """kv_cache inference (``reference_attention="cached"``) of a LoRA trained with the mask
+    (reference queries on reference keys only) is that masked joint pass, through the whole
+    pipeline with reference images (float64: the two differ only by summation order)."""
+    from krea2_diffusers import Krea2Pipeline
+
+    pipe = Krea2Pipeline.from_pretrained("tiny-random", torch_dtype=torch.float64)
+    pipe.set_progress_bar_config(disable=True)
+    g = torch.Generator().manual_seed(1)
+    lora = {}
+    for name, module in pipe.transformer.named_modules():
+        if name.startswith("transformer_blocks.") and isinstance(module, torch.nn.Linear):
+            lora[f"transformer.{name}.lora_A.weight"] = torch.randn(4, module.in_features, generator=g) * 0.1
+            lora[f"transformer.{name}.lora_B.weight"] = torch.randn(module.out_features, 4, generator=g) * 0.1
+    pipe.load_lora_weights(lora, adapter_name="masked")
+    refs = [picture(1, (48, 32)), picture(2, (16, 48))]
+    reference_len = 3 * 2 + 1 * 3  # 48x32 px and 16x48 px: 3 x 2 and 1 x 3 tokens
+
+    def run(attention):
+        return pipe("an edit", height=32, width=32, num_inference_steps=2, guidance_scale=1.0, output_type="latent",
+                    latents=torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64),
+                    reference_images=refs, reference_strengths=[0.5, 2.0], reference_attention=attention).images
+
+    cached, unmasked = run("cached"), run("joint")
+    # the mask belongs to the main blocks' attention only (the text fusion's sequences may be as long)
+    main, real, masked = [], layers.grouped_attention, masked_attention(reference_len)
+    hook = pipe.transformer.transformer_blocks[0].register_forward_pre_hook(lambda module, args: main.append(args[0].shape[1]))
+    monkeypatch.setattr(layers, "grouped_attention",
+                        lambda q, k, v, bias: (masked if main and q.shape[1] == main[-1] else real)(q, k, v, bias))
+    definition = run("joint")
+    hook.remove()
+    torch.testing.assert_close(cached, definition, rtol=1e-10, atol=1e-10)
+    assert (cached - unmasked).abs().max() > 1e-4  # the mask matters: cached is not the unmasked joint pass

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from PIL import Image
 
 from train_tab.actions import TrainActions, duration
@@ -213,6 +214,86 @@ def test_start_with_trigger_captions_trains_on_the_trigger_word(actions, tmp_pat
     assert actions.runs.ids() == [run_id]
 
 
+def test_start_with_masks_and_a_regularisation_folder(actions, tmp_path, no_plan):
+    """Masks beside the images (never taken for images themselves) and a captioned regularisation
+    folder make a config ``krea2 train`` accepts and whose datasets find them; what cannot train is
+    refused before anything is written."""
+    from finetune.config import build_config
+    from finetune.data.samples import prepare_samples
+    from train_tab.runs import REGULARIZATION_NAME
+
+    data, prior = tmp_path / "work" / "data", tmp_path / "work" / "prior"
+    images = make_images(data, 2)
+    for image in images:
+        image.with_suffix(".txt").write_text("a red square")
+    with pytest.raises(TrainInputError, match=r"none of the 2 images has one beside it \(e.g. picture_0.mask.png"):
+        actions.start(str(data), "24gb", "tiny-random", "acme", 4, masks=True)
+    Image.fromarray(np.full((8, 8), 255, np.uint8)).save(data / "picture_0.mask.png")
+    with pytest.raises(TrainInputError, match="picture_0.mask.png is 8x8 but its image .* is 16x16"):
+        actions.start(str(data), "24gb", "tiny-random", "acme", 4, masks=True)
+    Image.fromarray(np.full((16, 16), 255, np.uint8)).save(data / "picture_0.mask.png")
+    assert [Path(p).name for p, _ in actions.images(str(data))] == ["picture_0.png", "picture_1.png"]
+    with pytest.raises(TrainInputError, match="uploaded images have none"):
+        actions.start("", "24gb", "tiny-random", "acme", 4, rows=[[str(p), "c"] for p in images], copy_images=True, masks=True)
+    make_images(prior, 2, prefix="dog")
+    with pytest.raises(TrainInputError, match=r"2 regularisation image\(s\) have no caption"):
+        actions.start(str(data), "24gb", "tiny-random", "acme", 4, regularization_folder=str(prior))
+    with pytest.raises(TrainInputError, match="outside the allowed data roots"):
+        actions.start(str(data), "24gb", "tiny-random", "acme", 4, regularization_folder=str(FOREIGN))
+    assert not actions.runs.root.exists() or actions.runs.ids() == []
+
+    for path in prior.glob("*.png"):
+        path.with_suffix(".txt").write_text("a photo of a dog")
+    run_id = actions.start(str(data), "24gb", "tiny-random", "acme", 4, masks=True, regularization_folder=str(prior))
+    run = actions.runs.root / run_id
+    regularization = [json.loads(line) for line in (run / REGULARIZATION_NAME).read_text().splitlines()]
+    assert [(Path(r["path"]).name, r["caption"]) for r in regularization] == [("dog_0.png", "a photo of a dog"),
+                                                                           ("dog_1.png", "a photo of a dog")]
+    config = build_config(yaml.safe_load((run / "train.yaml").read_text()), ["data.resolution=16"])  # 16 px test images
+    assert config.data.masks is True and [d.is_regularization for d in config.data.datasets] == [False, True]
+    samples, _, _ = prepare_samples(config, run, type("Main", (), {"is_main": True, "barrier": lambda self: None})())
+    assert [(s.image_path.name, s.mask.name if s.mask else None, s.dataset) for s in samples] == [
+        ("picture_0.png", "picture_0.mask.png", 0), ("picture_1.png", None, 0), ("dog_0.png", None, 1), ("dog_1.png", None, 1)]
+
+
+def test_start_in_pairs_mode_takes_each_images_references_from_the_references_folder(actions, tmp_path, no_plan):
+    """Pairs mode (edit / reference LoRA): the images are the targets, their references NAME.png or
+    NAME_k.png in the references folder; what cannot train is refused naming the file before anything
+    is written, and the run's config is one ``krea2 train`` accepts, its manifest giving each target
+    its references."""
+    from finetune.config import build_config
+    from finetune.data.samples import prepare_samples
+
+    data, references = tmp_path / "work" / "targets", tmp_path / "work" / "references"
+    for image in make_images(data, 2):
+        image.with_suffix(".txt").write_text("make it red")
+    make_images(references, 1)  # picture_0.png only
+    start = lambda folder=str(references): actions.start(str(data), "24gb", "tiny-random", "", 4, references_folder=folder)
+    with pytest.raises(TrainInputError, match=r"target \S*picture_1.png has no reference image"):
+        start()
+    make_images(references, 2, prefix="picture_1")  # picture_1_0.png, picture_1_1.png
+    (references / "picture_1_2.png").write_text("not an image")
+    with pytest.raises(TrainInputError, match=r"picture_1_2.png of target picture_1.png is not an image"):
+        start()
+    make_images(references, 4, prefix="picture_1")
+    with pytest.raises(TrainInputError, match=r"picture_1.png has 4 references .* more than data.references.max_references=3"):
+        start()
+    with pytest.raises(TrainInputError, match="outside the allowed data roots"):
+        start(str(FOREIGN))
+    assert not actions.runs.root.exists() or actions.runs.ids() == []
+
+    (references / "picture_1_3.png").unlink()
+    run = actions.runs.root / start()
+    rows = [json.loads(line) for line in (run / MANIFEST_NAME).read_text().splitlines()]
+    assert [[Path(r).name for r in row["references"]] for row in rows] == [
+        ["picture_0.png"], ["picture_1_0.png", "picture_1_1.png", "picture_1_2.png"]]
+    config = build_config(yaml.safe_load((run / "train.yaml").read_text()), ["data.resolution=16"])  # 16 px test images
+    assert [Path(p).name for p in config.validation.reference_images[0]] == ["picture_0.png"]
+    samples, _, _ = prepare_samples(config, run, type("Main", (), {"is_main": True, "barrier": lambda self: None})())
+    assert [(s.image_path.name, [r.name for r in s.references]) for s in samples] == [
+        ("picture_0.png", ["picture_0.png"]), ("picture_1.png", ["picture_1_0.png", "picture_1_1.png", "picture_1_2.png"])]
+
+
 # ----------------------------------------------------------------------------- watching a run
 def test_the_timeline_lists_every_sample_by_step_and_the_speed_is_shown(actions, tmp_path):
     data = make_images(tmp_path / "work" / "data", 1)
@@ -239,3 +320,19 @@ def test_the_timeline_lists_every_sample_by_step_and_the_speed_is_shown(actions,
 def test_durations():
     assert [duration(s) for s in (0, 42.4, 59.6, 200, 3599, 7500)] == [
         "0 s", "42 s", "1 min 00 s", "3 min 20 s", "59 min 59 s", "2 h 05 min"]
+
+
+def test_start_with_prodigy_writes_a_prodigy_run(actions, tmp_path, no_plan):
+    """The optimizer choice: ``prodigy`` writes a config ``krea2 train`` accepts with Prodigy at its
+    rate 1.0 (the multiplier of its own estimate); an unknown one is refused before anything is written."""
+    from finetune.config import build_config
+
+    data = tmp_path / "work" / "data"
+    for image in make_images(data, 2):
+        image.with_suffix(".txt").write_text("a red square")
+    with pytest.raises(TrainInputError, match="optimizer must be one of 'adamw', 'prodigy', got 'lion'"):
+        actions.start(str(data), "24gb", "tiny-random", "acme", 4, optimizer="lion")
+    assert not actions.runs.root.exists() or actions.runs.ids() == []
+    run_id = actions.start(str(data), "24gb", "tiny-random", "acme", 4, optimizer="prodigy")
+    config = build_config(yaml.safe_load((actions.runs.root / run_id / "train.yaml").read_text()))
+    assert (config.optimizer.name, config.optimizer.learning_rate) == ("prodigy", 1.0)

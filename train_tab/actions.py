@@ -8,14 +8,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from PIL import Image
+
+from finetune.data.dataset import DatasetError, Sample
+from finetune.data.masks import MASK_SUFFIX, attach_masks, mask_candidates
+from finetune.data.pairs import check_pairs, references_by_name
 from krea2_diffusers.models.tiny import is_tiny
 
 from .errors import TrainInputError
 from .images import Captioner, caption_table, check_image, find_images, thumbnail
 from .plan import Fit, fit
-from .presets import TRAIN_PRESETS, run_config
+from .presets import TRAIN_OPTIMIZERS, TRAIN_PRESETS, run_config
 from .roots import DataRoots
-from .runs import Runs
+from .runs import REGULARIZATION_NAME, Runs
 
 PLACEHOLDER_RUN = Path("RUN")  # the plan's config needs paths; the dry run reads neither
 MAX_STEPS = 100_000
@@ -105,19 +110,75 @@ class TrainActions:
 
     # ---------------------------------------------------------------- the plan
     def config_for(self, run_dir: Path, manifest: Path, preset: str, base_model: str, trigger_word: str = "", steps=None,
-                   sample_every=None, prompt: str = "") -> dict:
+                   sample_every=None, prompt: str = "", masks: bool = False, regularization: bool = False,
+                   references: list[str] | None = None, optimizer: str = "adamw") -> dict:
+        """``regularization``: the run has regularisation images (``regularization.jsonl`` in ``run_dir``);
+        ``references``: a pairs run (edit / reference LoRA), these the validation sample's references."""
         steps, every = self.counts(preset, steps, sample_every)
         return run_config(run_dir, manifest, preset, base_model, trigger_word.strip(), steps, every,
-                          prompt or trigger_word.strip() or "a photo")
+                          prompt or trigger_word.strip() or "a photo", masks,
+                          run_dir / REGULARIZATION_NAME if regularization else None, references, optimizer)
 
-    def plan(self, images_folder: str, preset: str, base_model: str | None, rows=None) -> Fit:
+    def pair_references(self, rows: list[list[str]], references_folder: str) -> list[list[str]]:
+        """Pairs mode: each image's references from ``references_folder`` (inside the data roots),
+        ``NAME.png`` or ``NAME_1.png``, ``NAME_2.png`` ... for the image ``NAME.png``; refused,
+        naming the file, when an image has none, one is not an image, one belongs to no image, or an
+        image has more than ``data.references.max_references`` (3)."""
+        from finetune.config import ReferencesConfig
+
+        folder = self.roots.folder(references_folder)
+        if not folder.is_dir():
+            raise TrainInputError(f"{folder} is not a folder (the references folder of a pairs run).")
+        try:
+            owned = references_by_name(folder, [Path(path).stem for path, _ in rows])
+            samples = [Sample(Path(path), caption, 1, 1, references=tuple(owned.get(Path(path).stem, []))) for path, caption in rows]
+            check_pairs(samples, ReferencesConfig())
+        except DatasetError as err:
+            raise TrainInputError(f"{err}.") from None
+        for sample in samples:
+            for reference in sample.references:
+                if not self.roots.contains(reference):
+                    raise self.roots.refusal(f"the reference {reference.name}")
+        return [[str(r) for r in sample.references] for sample in samples]
+
+    def check_masks(self, rows: list[list[str]]) -> None:
+        """Refuses masks that cannot train: none beside the images, one outside the data roots, or one
+        :func:`finetune.data.masks.attach_masks` refuses (wrong size, black everywhere)."""
+        found = [mask for path, _ in rows for mask in mask_candidates(Path(path), True)]
+        if not found:
+            example = Path(rows[0][0]) if rows else Path("NAME.png")
+            raise TrainInputError(f"Masks are on, but none of the {len(rows)} images has one beside it "
+                                  f"(e.g. {example.stem}{MASK_SUFFIX}.png: white trains, black is ignored).")
+        for mask in found:
+            if not self.roots.contains(mask):
+                raise self.roots.refusal(f"the mask {mask.name}")
+        samples = []
+        for path, caption in rows:
+            with Image.open(path) as image:
+                samples.append(Sample(Path(path), caption, *image.size))
+        try:
+            attach_masks(samples, True)
+        except DatasetError as err:
+            raise TrainInputError(f"{err}.") from None
+
+    def regularization_rows(self, folder: str) -> list[list[str]]:
+        """The regularisation images of ``folder`` (inside the data roots), each with its caption (the
+        class prompt, from a same-name ``.txt``); refused when one has none."""
+        rows = caption_table(find_images(folder, self.roots), self.roots)
+        missing = [Path(p).name for p, caption in rows if not caption.strip()]
+        if missing:
+            raise TrainInputError(f"{len(missing)} regularisation image(s) have no caption ({', '.join(missing[:3])}): "
+                                  "give each a same-name .txt with its class prompt (e.g. 'a photo of a dog').")
+        return rows
+
+    def plan(self, images_folder: str, preset: str, base_model: str | None, rows=None, optimizer: str = "adamw") -> Fit:
         """The memory plan for these images (checked: the plan of a run that cannot start is no use)."""
         self.check_preset(preset)
         self.images(images_folder, rows)
         base = self.base(base_model)
 
         def config(name: str) -> dict:
-            return self.config_for(PLACEHOLDER_RUN, PLACEHOLDER_RUN / "dataset.jsonl", name, base)
+            return self.config_for(PLACEHOLDER_RUN, PLACEHOLDER_RUN / "dataset.jsonl", name, base, optimizer=optimizer)
 
         try:
             return fit(config(preset), preset, self.gpu_memory_gib, suggest=config)
@@ -126,14 +187,22 @@ class TrainActions:
 
     # ---------------------------------------------------------------- runs
     def start(self, images_folder: str, preset: str, base_model: str | None, trigger_word: str = "", steps=None,
-              sample_every=None, rows=None, copy_images: bool = False, captions: str = "required") -> str:
+              sample_every=None, rows=None, copy_images: bool = False, captions: str = "required", masks: bool = False,
+              regularization_folder: str = "", references_folder: str = "", optimizer: str = "adamw") -> str:
         """Check everything, then create the run folder and start ``krea2 train``; returns the run id.
-        ``captions``: one of :data:`CAPTION_MODES`."""
+        ``captions``: one of :data:`CAPTION_MODES`. ``masks``: train each image where its
+        ``NAME.mask.png`` beside it is white. ``regularization_folder``: captioned images of the
+        subject's class, trained beside it to keep the class prior (``data.datasets``).
+        ``references_folder``: pairs mode (edit / reference LoRA): the images are the targets, their
+        captions the instructions, and each one's reference images are read from this folder.
+        ``optimizer``: one of :data:`~train_tab.presets.TRAIN_OPTIMIZERS` (``prodigy`` sets its own step size)."""
         busy = self.runs.running()
         if busy is not None:
             raise TrainInputError(f"Run {busy} is still running: stop it before starting another.")
         if captions not in CAPTION_MODES:
             raise TrainInputError(f"captions must be one of {', '.join(map(repr, CAPTION_MODES))}, got {captions!r}.")
+        if optimizer not in TRAIN_OPTIMIZERS:
+            raise TrainInputError(f"optimizer must be one of {', '.join(map(repr, TRAIN_OPTIMIZERS))}, got {optimizer!r}.")
         self.counts(self.check_preset(preset), steps, sample_every)  # refused before the images are read
         base = self.base(base_model)
         trigger = (trigger_word or "").strip()
@@ -147,15 +216,24 @@ class TrainActions:
             raise TrainInputError(f"{len(missing)} image(s) have no caption ({', '.join(missing[:3])}): caption them "
                                   "with /train_caption (the 'Caption missing ones' button) or write them in the table, "
                                   "or start with captions='trigger' to use the trigger word as their caption.")
-        planned = self.plan(images_folder, preset, base, rows)
+        if masks and copy_images:
+            raise TrainInputError("Masks are read from NAME.mask.png beside each image in its folder; uploaded images "
+                                  "have none: give the images folder instead.")
+        if masks:
+            self.check_masks(rows)
+        regularization = self.regularization_rows(regularization_folder) if (regularization_folder or "").strip() else None
+        references = self.pair_references(rows, references_folder) if (references_folder or "").strip() else None
+        planned = self.plan(images_folder, preset, base, rows, optimizer)
         if not planned.fits:
             raise TrainInputError(f"Not started. {planned.text.splitlines()[0]}")
         prompt = rows[0][1] if not trigger or trigger in rows[0][1] else f"{trigger}, {rows[0][1]}"
 
         def config(run_dir: Path, manifest: Path) -> dict:
-            return self.config_for(run_dir, manifest, preset, base, trigger, steps, sample_every, prompt)
+            return self.config_for(run_dir, manifest, preset, base, trigger, steps, sample_every, prompt, masks,
+                                   regularization is not None, references[0] if references else None, optimizer)
 
-        return self.runs.create_and_start(config, rows, trigger, copy=copy_images)
+        return self.runs.create_and_start(config, rows, trigger, copy=copy_images, regularization=regularization,
+                                          references=references)
 
     def resume(self, run_id: str) -> None:
         self.runs.start(run_id, resume=True)

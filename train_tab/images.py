@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from PIL import Image
 
 from finetune.data.dataset import IMAGE_EXTENSIONS
+from finetune.data.masks import MASK_SUFFIX
 
 from .errors import TrainInputError
 
@@ -38,7 +39,8 @@ def find_images(folder: str | Path, roots: DataRoots | None = None) -> list[Path
     files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
     if not files:
         raise TrainInputError(f"{folder} is empty: put the training images (PNG, JPEG or WebP) in it.")
-    images = [p for p in files if p.suffix.lower() in IMAGE_EXTENSIONS]
+    # NAME.mask.png is NAME.png's loss mask (finetune.data.masks), not a training image.
+    images = [p for p in files if p.suffix.lower() in IMAGE_EXTENSIONS and not p.stem.endswith(MASK_SUFFIX)]
     if not images:
         names = ", ".join(p.name for p in files[:3])
         raise TrainInputError(f"{folder} holds no images ({len(files)} other file(s): {names}); "

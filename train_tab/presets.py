@@ -38,30 +38,52 @@ TRAIN_PRESETS: dict[str, TrainPreset] = {
 }
 
 
+# The optimizer choice of a Train-tab run: ``adamw`` (8-bit on a GPU) at the preset's rate, or
+# ``prodigy``, which estimates its own step size (``learning_rate`` 1.0 multiplies the estimate).
+TRAIN_OPTIMIZERS = ("adamw", "prodigy")
+
+
+def optimizer_section(name: str, tiny: bool) -> dict:
+    """The ``optimizer`` section of a run with optimizer ``name`` (one of :data:`TRAIN_OPTIMIZERS`)."""
+    if name == "prodigy":
+        return {"name": "prodigy", "learning_rate": 1.0}
+    return {"name": "adamw" if tiny else "adamw8bit", "learning_rate": 3e-3 if tiny else 1e-4}
+
+
 def run_config(run_dir: Path, manifest: Path, preset_name: str, base_model: str, trigger_word: str, steps: int,
-               sample_every: int, validation_prompt: str) -> dict:
+               sample_every: int, validation_prompt: str, masks: bool = False, regularization: Path | None = None,
+               references: list[str] | None = None, optimizer: str = "adamw") -> dict:
     """The ``krea2 train`` config (a YAML mapping) of a run in ``run_dir`` on ``manifest``
-    (a ``.jsonl`` of image paths and captions)."""
+    (a ``.jsonl`` of image paths and captions). ``masks``: each image's loss mask is
+    ``NAME.mask.png`` beside it (``data.masks: true``); ``regularization``: a manifest of
+    regularisation images, trained beside ``manifest`` at ``training.prior_loss_weight`` 1.
+    ``references``: a pairs run (``data.references``; the manifest rows hold their references),
+    these the validation sample's reference images."""
     preset = TRAIN_PRESETS[preset_name]
     tiny = is_tiny(base_model)
     resolution = TINY_RESOLUTION if tiny else preset.resolution
     every = max(1, int(sample_every))
+    data = {"path": str(manifest)} if regularization is None else {
+        "datasets": [{"path": str(manifest)}, {"path": str(regularization), "is_regularization": True}]}
     return {
         "output_dir": str(run_dir),
         "model": {"pretrained_model_name_or_path": base_model, "dtype": "float32" if tiny else preset.dtype,
                   "quantize": preset.quantize},
-        "data": {"path": str(manifest), "resolution": resolution, "caption_dropout": 0.05,
-                 "num_workers": 0 if tiny else 2},
+        "data": {**data, "masks": bool(masks), "resolution": resolution, "caption_dropout": 0.05,
+                 "num_workers": 0 if tiny else 2,
+                 # Pairs: each reference's latents at most the training resolution's area, its own aspect.
+                 **({"references": {"max_pixels": resolution * resolution}} if references else {})},
         "training": {"method": "lora", "max_steps": int(steps), "batch_size": 1,
                      "mixed_precision": "no" if tiny else "bf16", "activation_checkpointing": "none" if tiny else "full",
                      "offload_blocks": 0 if tiny else preset.offload_blocks},
         "lora": {"rank": preset.rank, "alpha": float(preset.rank),
                  **({"train_text_fusion": True, "extra_modules": ["img_in", "final_layer.linear"]} if tiny else {})},
-        "optimizer": {"name": "adamw" if tiny else "adamw8bit", "learning_rate": 3e-3 if tiny else 1e-4},
+        "optimizer": optimizer_section(optimizer, tiny),
         # Stop always checkpoints; in between, about four checkpoints a run (at most every 250 steps).
         "checkpointing": {"every_n_steps": max(1, min(250, int(steps) // 4)), "keep_last": 2},
         "validation": {"every_n_steps": every, "prompts": [validation_prompt], "height": resolution, "width": resolution,
-                       "num_inference_steps": 4 if tiny else 28},
+                       "num_inference_steps": 4 if tiny else 28,
+                       **({"reference_images": [list(references)]} if references else {})},
         "export": {"formats": ["diffusers", "comfyui", "kohya"], "trigger_words": [trigger_word] if trigger_word else []},
         "logging": {"tensorboard": False, "progress_bar": False},
     }

@@ -34,6 +34,7 @@ from typing import Iterator
 
 import yaml
 
+from finetune.data.captions import with_prefix
 from finetune.stop import STOPPED_CODE  # krea2 train: stopped by a signal (a checkpoint if a step ran)
 from krea2_diffusers.files import atomic_write
 from krea2_diffusers.processes import process_start_time
@@ -42,6 +43,7 @@ from .errors import TrainInputError
 
 CONFIG_NAME = "train.yaml"
 MANIFEST_NAME = "dataset.jsonl"
+REGULARIZATION_NAME = "regularization.jsonl"  # the regularisation images and their captions, when given
 LOG_NAME = "train.log"
 EXIT_NAME = "exit.json"
 LOCK_NAME = "lock.json"  # {"pid", "started"}: the process training the run
@@ -99,10 +101,14 @@ class Runs:
         """(run id, state), newest first."""
         return [(run_id, self.state(run_id)) for run_id in self.ids()]
 
-    def create(self, raw_config_for, rows: list[list[str]], trigger_word: str, copy: bool = False) -> str:
+    def create(self, raw_config_for, rows: list[list[str]], trigger_word: str, copy: bool = False,
+               regularization: list[list[str]] | None = None, references: list[list[str]] | None = None) -> str:
         """A new run folder with its manifest and config; ``raw_config_for(run_dir, manifest)`` is
         the config mapping. Captions get the trigger word in front (unless they hold it already).
-        ``copy``: the images are copied into ``images/`` (uploads: Gradio's temporary files go away)."""
+        ``copy``: the images are copied into ``images/`` (uploads: Gradio's temporary files go away).
+        ``regularization``: rows of regularisation images, written (captions as they are) to
+        ``regularization.jsonl``. ``references``: per row its reference images (a pairs run), written
+        into the manifest's ``references`` field."""
         self.root.mkdir(parents=True, exist_ok=True)
         run_id = run_id_for(trigger_word)
         while True:
@@ -118,10 +124,15 @@ class Runs:
             rows = [[str(shutil.copy2(path, folder / "images" / f"{i:04d}-{Path(path).name}")), caption]
                     for i, (path, caption) in enumerate(rows)]
         with atomic_write(manifest, "w") as handle:
-            for path, caption in rows:
-                if trigger_word and trigger_word not in caption:
-                    caption = f"{trigger_word}, {caption}"
-                handle.write(json.dumps({"path": str(Path(path).resolve()), "caption": caption}) + "\n")
+            for number, (path, caption) in enumerate(rows):
+                row = {"path": str(Path(path).resolve()), "caption": with_prefix(caption, trigger_word)}
+                if references:
+                    row["references"] = [str(Path(r).resolve()) for r in references[number]]
+                handle.write(json.dumps(row) + "\n")
+        if regularization:
+            with atomic_write(folder / REGULARIZATION_NAME, "w") as handle:
+                for path, caption in regularization:
+                    handle.write(json.dumps({"path": str(Path(path).resolve()), "caption": caption}) + "\n")
         with atomic_write(folder / CONFIG_NAME, "w") as handle:
             yaml.safe_dump(raw_config_for(folder, manifest), handle, sort_keys=False)
         return run_id
@@ -163,11 +174,12 @@ class Runs:
             self._launch(run_id, resume, env)
 
     def create_and_start(self, raw_config_for, rows: list[list[str]], trigger_word: str, copy: bool = False,
-                         env: dict | None = None) -> str:
+                         env: dict | None = None, regularization: list[list[str]] | None = None,
+                         references: list[list[str]] | None = None) -> str:
         """:meth:`create` then :meth:`start`, as one step: nothing is created while another run is going."""
         with self._exclusive():
             self._refuse_if_busy()
-            run_id = self.create(raw_config_for, rows, trigger_word, copy)
+            run_id = self.create(raw_config_for, rows, trigger_word, copy, regularization, references)
             self._launch(run_id, False, env)
         return run_id
 

@@ -31,22 +31,29 @@ def build_train_tab(actions: TrainActions, use_lora):
     click event, for the caller to switch tabs after it."""
     presets = list(TRAIN_PRESETS)
 
-    def plan(images_folder, preset, base_model, table=None):
+    def plan(images_folder, preset, base_model, table=None, optimizer="adamw"):
         """The memory plan (``krea2 train --dry-run``'s) as JSON: fits, total_gib, card_gib, plan text."""
         try:
-            return actions.plan(images_folder, preset, base_model, table_rows(table) or None).to_json()
+            return actions.plan(images_folder, preset, base_model, table_rows(table) or None, optimizer or "adamw").to_json()
         except TrainInputError as err:
             raise _refused(err) from None
 
     def start(images_folder, preset, base_model, trigger_word="", steps=None, sample_every=None, table=None, uploads=None,
-              captions="required"):
+              captions="required", masks=False, regularization_folder="", references_folder="", optimizer="adamw"):
         """Start ``krea2 train`` on these images; returns the run id. ``captions``: "required" (every image
-        needs one: see /train_caption) or "trigger" (an image without one is trained with the trigger word)."""
+        needs one: see /train_caption) or "trigger" (an image without one is trained with the trigger word).
+        ``masks``: train each image where its NAME.mask.png beside it is white. ``regularization_folder``:
+        captioned images of the subject's class, trained beside it to keep the class prior.
+        ``references_folder``: pairs mode (edit / reference LoRA): the images are the targets, their
+        captions the instructions, their references NAME.png or NAME_1.png, NAME_2.png ... in this folder.
+        ``optimizer``: "adamw" or "prodigy" (sets its own step size)."""
         uploaded = bool(uploads) and not (images_folder or "").strip()
         rows = table_rows(table) or ([[str(path), ""] for path in uploads] if uploaded else None)
         try:
             return actions.start(images_folder, preset, base_model, trigger_word, steps, sample_every, rows,
-                                 copy_images=uploaded, captions=captions)
+                                 copy_images=uploaded, captions=captions, masks=bool(masks),
+                                 regularization_folder=regularization_folder or "", references_folder=references_folder or "",
+                                 optimizer=optimizer or "adamw")
         except TrainInputError as err:
             raise _refused(err) from None
 
@@ -157,7 +164,17 @@ def build_train_tab(actions: TrainActions, use_lora):
                                 value="required", label="Captions", elem_id="train_captions")
             preset = gr.Radio(presets, value=presets[-1], label="Preset (your card)", elem_id="train_preset",
                               info="16gb: NF4 base, rank 16, block swap. 24gb: fp8 base, rank 32. 48gb+: bf16 base, rank 32.")
+            optimizer = gr.Radio([("AdamW (the preset's learning rate)", "adamw"),
+                                  ("Prodigy (sets its own step size)", "prodigy")],
+                                 value="adamw", label="Optimizer", elem_id="train_optimizer")
             base = gr.Textbox(value=actions.base_model, label="Base model (RAW)", elem_id="train_base")
+            with gr.Row():
+                masks = gr.Checkbox(value=False, label="Masks: NAME.mask.png beside each image (white trains)",
+                                    elem_id="train_masks")
+                regularization = gr.Textbox(value="", label="Regularisation images folder (optional, captioned)",
+                                            elem_id="train_regularization", placeholder="/path/to/class-images")
+                references = gr.Textbox(value="", label="Pairs: references folder (edit / reference LoRA; NAME.png or NAME_1.png ...)",
+                                        elem_id="train_references", placeholder="/path/to/references")
             with gr.Row():
                 steps = gr.Number(value=0, precision=0, minimum=0, label="Steps (0: the preset's)", elem_id="train_steps")
                 sample_every = gr.Number(value=0, precision=0, minimum=0, label="Sample every N steps (0: steps / 4)",
@@ -207,9 +224,10 @@ def build_train_tab(actions: TrainActions, use_lora):
     grid.select(pick, table, [selected, caption_edit], api_visibility="private")
     caption_edit.input(edit, [selected, caption_edit, table], table, api_visibility="private", show_progress="hidden")
     caption_edit.blur(commit, [selected, caption_edit, table], [table, grid, table_note], api_visibility="private")
-    plan_button.click(plan, [folder, preset, base, table], plan_box, api_name="train_plan").success(
+    plan_button.click(plan, [folder, preset, base, table, optimizer], plan_box, api_name="train_plan").success(
         lambda answer: json.loads(answer)["plan"], plan_box, plan_view, api_visibility="private")
-    start_button.click(start, [folder, preset, base, trigger, steps, sample_every, table, uploads, captions], run_id,
+    start_button.click(start, [folder, preset, base, trigger, steps, sample_every, table, uploads, captions, masks,
+                               regularization, references, optimizer], run_id,
                        api_name="train_start").success(
         lambda r: (runs_choices(r), f"Started {r}."), run_id, [run, message], api_visibility="private")
     stop_button.click(stop, run, message, api_name="train_stop")

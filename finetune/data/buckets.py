@@ -44,13 +44,14 @@ def fits(width: int, height: int, bucket: Bucket) -> bool:
     return max(bucket[0] / width, bucket[1] / height) <= 1.0
 
 
-def resize_to_bucket(image: Image.Image, bucket: Bucket) -> Image.Image:
-    """Scale ``image`` to cover ``bucket``, then centre-crop to exactly ``bucket``."""
+def resize_to_bucket(image: Image.Image, bucket: Bucket, resample: Image.Resampling = Image.Resampling.LANCZOS) -> Image.Image:
+    """Scale ``image`` to cover ``bucket``, then centre-crop to exactly ``bucket`` (loss masks use the
+    same geometry with a box filter)."""
     bw, bh = bucket
     scale = max(bw / image.width, bh / image.height)
     new_size = (max(bw, round(image.width * scale)), max(bh, round(image.height * scale)))
     if new_size != image.size:
-        image = image.resize(new_size, Image.Resampling.LANCZOS)
+        image = image.resize(new_size, resample)
     left = (image.width - bw) // 2
     top = (image.height - bh) // 2
     return image.crop((left, top, left + bw, top + bh))

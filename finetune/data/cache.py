@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -28,6 +29,9 @@ from krea2_diffusers.files import save_safetensors
 
 from .buckets import Bucket, resize_to_bucket
 from .dataset import Sample
+from .masks import MASK_FORMAT_VERSION, mask_grid
+
+logger = logging.getLogger("finetune")
 
 LATENT_FORMAT_VERSION = 1
 TEXT_FORMAT_VERSION = 1
@@ -58,7 +62,8 @@ def module_fingerprint(module: torch.nn.Module, extra: dict | None = None) -> st
     return digest.hexdigest()[:16]
 
 
-def _hash(*parts: bytes | str) -> str:
+def content_hash(*parts: bytes | str) -> str:
+    """A 32-hex-digit key of the parts (bytes or text), for cache file names."""
     digest = hashlib.sha256()
     for part in parts:
         digest.update(part if isinstance(part, bytes) else part.encode())
@@ -84,24 +89,40 @@ class TrainingCache:
     Latent shards hold ``latents`` (16, H/8, W/8), already normalised with the VAE's per-channel
     mean/std. Text shards hold ``prompt_embeds`` (L, num_text_layers, text_dim) for the real tokens
     only: padding consumes no position and is masked everywhere, so dropping it is exact and a
-    batch is re-padded to its own longest caption.
+    batch is re-padded to its own longest caption (never to ``max_sequence_length``).
+    A masked sample's latent shard also holds ``mask`` (H/8, W/8), its loss weights
+    (:func:`finetune.data.masks.mask_grid`).
     """
 
     latent_files: list[Path]
     text_files: list[Path]
     empty_text_file: Path
+    variant_files: list[list[Path]] | None = None
+    """Per sample, the text shards of its captions for epochs 0, 1, ... in turn (tag shuffling,
+    :func:`finetune.data.captions.caption_variants`); ``text_files[i]`` is ``variant_files[i][0]``."""
 
     def latents(self, indices: Sequence[int]) -> torch.Tensor:
         """(B, 16, h, w); the indices must share a bucket."""
         return torch.stack([load_file(str(self.latent_files[i]))["latents"] for i in indices])
 
-    def text(self, indices: Sequence[int], drop: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Right-padded ``prompt_embeds`` (B, L, layers, dim) and bool ``prompt_embeds_mask`` (B, L);
-        ``drop[i]`` swaps sample i's caption for the empty prompt (caption dropout)."""
-        embeds = [
-            load_file(str(self.empty_text_file if d else self.text_files[i]))["prompt_embeds"]
-            for i, d in zip(indices, drop)
-        ]
+    def latents_and_masks(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, 16, h, w) latents and (B, h, w) loss weights (1 everywhere for a sample without a mask)."""
+        shards = [load_file(str(self.latent_files[i])) for i in indices]
+        latents = torch.stack([shard["latents"] for shard in shards])
+        masks = torch.stack([shard.get("mask", torch.ones(latents.shape[2:])) for shard in shards])
+        return latents, masks
+
+    def text(self, indices: Sequence[int], drop: Sequence[bool], epoch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded ``prompt_embeds`` (B, L, layers, dim) and bool ``prompt_embeds_mask`` (B, L),
+        L the longest of these captions; ``drop[i]`` swaps sample i's caption for the empty prompt
+        (caption dropout); ``epoch`` picks each sample's caption variant."""
+
+        def caption_file(i: int) -> Path:
+            if self.variant_files is None:
+                return self.text_files[i]
+            return self.variant_files[i][epoch % len(self.variant_files[i])]
+
+        embeds = [load_file(str(self.empty_text_file if d else caption_file(i)))["prompt_embeds"] for i, d in zip(indices, drop)]
         length = max(e.shape[0] for e in embeds)
         out = embeds[0].new_zeros((len(embeds), length, *embeds[0].shape[1:]))
         mask = torch.zeros(len(embeds), length, dtype=torch.bool)
@@ -121,9 +142,14 @@ def build_cache(
     rank: int = 0,
     world_size: int = 1,
     barrier: Callable[[], None] = lambda: None,
+    captions: Sequence[Sequence[str]] | None = None,
 ) -> TrainingCache:
     """Encode whatever is missing (each process takes every ``world_size``-th entry), then wait
-    for all processes. ``pipe`` provides ``vae``, ``text_encoder`` and ``encode_prompt``."""
+    for all processes. ``pipe`` provides ``vae``, ``text_encoder`` and ``encode_prompt``.
+
+    ``captions``: per sample, its caption variants by epoch (default: its one caption). A sample
+    with a ``mask`` caches it beside its latents; the mask's bytes are part of that entry's key.
+    """
     from . import encoding
 
     cache_dir = Path(cache_dir)
@@ -137,10 +163,11 @@ def build_cache(
     text_dir = cache_dir / "text" / module_fingerprint(pipe.text_encoder, text_settings)
 
     latent_files = [
-        vae_dir / f"{_hash(s.image_path.read_bytes(), str(b), str(s.crop))}.safetensors" for s, b in zip(samples, buckets)
+        vae_dir / f"{content_hash(s.image_path.read_bytes(), str(b), str(s.crop), *_mask_key(s))}.safetensors"
+        for s, b in zip(samples, buckets)
     ]
-    captions = [s.caption for s in samples]
-    text_file = {c: text_dir / f"{_hash(c)}.safetensors" for c in set(captions) | {""}}
+    variants = [list(c) for c in captions] if captions is not None else [[s.caption] for s in samples]
+    text_file = {c: text_dir / f"{content_hash(c)}.safetensors" for c in {c for v in variants for c in v} | {""}}
 
     # Split the work by position in the full (deduplicated, ordered) lists, not in what is still
     # missing: each process checks existence at a different moment, so "missing" differs.
@@ -154,9 +181,22 @@ def build_cache(
         for index in todo_latents:
             pixels = load_image_tensor(samples[index], buckets[index])[None].to(device)
             latents = encoding.encode_images(pipe, pixels)[0]
-            save_safetensors({"latents": latents.float().cpu()}, latent_files[index])
+            entry = {"latents": latents.float().cpu()}
+            if samples[index].mask is not None:
+                entry["mask"] = mask_grid(samples[index], buckets[index])
+                if not entry["mask"].any():
+                    logger.warning("the mask of %s is empty once cropped to its bucket: the sample trains nothing", samples[index].image_path)
+            save_safetensors(entry, latent_files[index])
         for caption in todo_text:
             embeds, mask = pipe.encode_prompt(caption, device=device, max_sequence_length=max_sequence_length)
             save_safetensors({"prompt_embeds": embeds[0][mask[0]].cpu()}, text_file[caption])
     barrier()
-    return TrainingCache(latent_files, [text_file[c] for c in captions], text_file[""])
+    variant_files = [[text_file[c] for c in v] for v in variants]
+    return TrainingCache(latent_files, [v[0] for v in variant_files], text_file[""],
+                         variant_files if any(len(v) > 1 for v in variants) else None)
+
+
+def _mask_key(sample: Sample) -> tuple[bytes | str, ...]:
+    """What a sample's mask adds to its latent entry's key (nothing without a mask, so unmasked
+    entries keep their keys)."""
+    return () if sample.mask is None else (f"mask-v{MASK_FORMAT_VERSION}", sample.mask.read_bytes())

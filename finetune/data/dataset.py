@@ -31,6 +31,12 @@ class Sample:
     style_id: str | None = None
     """The style group (a subfolder of the dataset folder, or a manifest's ``style_id``); style-reference
     training takes a sample's references from the other images of its group."""
+    references: tuple[Path, ...] = ()
+    """Paired training (``data.references``): the reference images of this target, in order."""
+    mask: Path | None = None
+    """Its loss mask (:mod:`finetune.data.masks`); None trains the whole image."""
+    dataset: int = 0
+    """Index of its entry in ``data.datasets`` (0 for a single ``data.path``)."""
 
     @property
     def size(self) -> tuple[int, int]:
@@ -68,7 +74,8 @@ def probe_image(path: Path, scan: DatasetScan) -> tuple[int, int] | None:
 
 def scan_folder(folder: Path, caption_extension: str = ".txt") -> DatasetScan:
     scan = DatasetScan()
-    for path in sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS):
+    # NAME.mask.png is the loss mask of NAME.png (finetune.data.masks), never a sample itself.
+    for path in sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and not p.stem.endswith(".mask")):
         caption_path = path.with_suffix(caption_extension)
         if not caption_path.is_file():
             scan.skip("missing caption", path)
@@ -100,7 +107,8 @@ def manifest_rows(path: Path) -> list[dict]:
 
 def scan_manifest(path: Path) -> DatasetScan:
     """Rows need ``path`` (relative to the manifest) and ``caption``; ``width``/``height`` and
-    ``crop`` ([left, top, right, bottom]) and ``style_id`` are optional."""
+    ``crop`` ([left, top, right, bottom]), ``style_id`` and ``references`` (paths relative to the
+    manifest, paired training) are optional."""
     scan = DatasetScan()
     for row in manifest_rows(path):
         image_path = row.get("path") or row.get("image")
@@ -119,20 +127,23 @@ def scan_manifest(path: Path) -> DatasetScan:
             continue
         crop = tuple(int(v) for v in row["crop"]) if row.get("crop") is not None else None
         style_id = None if row.get("style_id") is None else str(row["style_id"])
-        scan.samples.append(Sample(image_path, str(caption).strip(), *size, crop=crop, style_id=style_id))
+        references = row.get("references") or ()
+        references = tuple((path.parent / r).resolve() for r in ([references] if isinstance(references, str) else references))
+        scan.samples.append(Sample(image_path, str(caption).strip(), *size, crop=crop, style_id=style_id, references=references))
     return scan
 
 
-def scan_dataset(path: str | Path) -> DatasetScan:
+def scan_dataset(path: str | Path, key: str = "data.path") -> DatasetScan:
+    """``key``: the config key that named ``path``, for the error messages."""
     path = Path(path)
     if path.is_dir():
         scan = scan_folder(path)
     elif path.suffix in (".jsonl", ".parquet") and path.is_file():
         scan = scan_manifest(path)
     else:
-        raise DatasetError(f"data.path {str(path)!r} is neither a folder nor a .jsonl/.parquet manifest")
+        raise DatasetError(f"{key} {str(path)!r} is neither a folder nor a .jsonl/.parquet manifest")
     if not scan.samples:
-        raise DatasetError(f"no usable samples in {path} ({scan.summary()}); need images with same-name .txt captions")
+        raise DatasetError(f"no usable samples in {path} ({key}; {scan.summary()}); need images with same-name .txt captions")
     return scan
 
 

@@ -71,6 +71,15 @@ class StyleGroups:
             strengths.append((low + (high - low) * torch.rand(count, generator=generator, dtype=torch.float64)).tolist())
         return references, strengths
 
+    def inputs(self, cache, global_ids: list[int], mine: slice, drop: list[bool], generator: torch.Generator,
+               grid: tuple[int, int], text_len: int) -> dict[str, torch.Tensor]:
+        """The reference inputs of the rows ``global_ids[mine]`` (:func:`reference_inputs`) and their
+        ``reference_ids`` (b, k), drawn for the whole global micro-batch ``global_ids``."""
+        references, strengths = self.draw(global_ids, generator)
+        item = reference_inputs(cache, references[mine], strengths[mine], grid, text_len, self.config.resolution)
+        item["reference_ids"] = torch.tensor(references[mine])
+        return item
+
 
 def reference_inputs(cache, references: list[list[int]], strengths: list[list[float]], grid: tuple[int, int],
                      text_len: int, resolution: int | None) -> dict[str, torch.Tensor]:

@@ -129,8 +129,9 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, *, trainable_only: bool,
-             train_state: dict[str, Any]) -> None:
-        """Every process calls this. ``train_state``: JSON-able run state (main process's is written)."""
+             train_state: dict[str, Any], extra: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
+        """Every process calls this. ``train_state``: JSON-able run state (main process's is written).
+        ``extra``: more tensors by section, saved as ``<section>.<name>`` (e.g. the EMA's ``ema``)."""
         import torch.distributed.checkpoint as dcp
 
         self.wait()
@@ -145,7 +146,7 @@ class Checkpointer:
         staging = self._broadcast_path(staging)
         model_state, optim_state = _state_dicts(model, optimizer, trainable_only)
         rng = {f"rank{runtime.rank}": rng_state(runtime.device)}
-        payload = {"model": model_state, "optimizer": optim_state, "rng": rng}
+        payload = {"model": model_state, "optimizer": optim_state, "rng": rng, **(extra or {})}
         if self.async_save:
             future = dcp.async_save(payload, checkpoint_id=str(staging), process_group=self._group)
             self._pending = (future, stack, step)
@@ -180,8 +181,9 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ loading
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, trainable_only: bool,
-             expected: dict[str, Any]) -> dict[str, Any]:
+             expected: dict[str, Any], extra: dict[str, dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
         """Restore ``path`` into the (already set up) model and optimizer; returns its run state.
+        ``extra``: the sections :meth:`save` was given, their tensors loaded in place.
 
         ``expected``: run-state entries that must match (e.g. the config fingerprint, the model's
         config); a difference raises :class:`CheckpointMismatchError` naming it. The RNG of rank r
@@ -200,7 +202,7 @@ class Checkpointer:
         if differences:
             raise CheckpointMismatchError(f"{path} was written by another config/model: " + "; ".join(differences))
         model_state, optim_state = _state_dicts(model, optimizer, trainable_only)
-        payload = {"model": model_state, "optimizer": optim_state}
+        payload = {"model": model_state, "optimizer": optim_state, **(extra or {})}
         has_rng = self.runtime.rank < state["world_size"]
         if has_rng:
             payload["rng"] = {f"rank{self.runtime.rank}": rng_state(self.runtime.device)}

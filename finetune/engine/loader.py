@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import asdict, dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from ..data.buckets import BucketBatches
 from ..data.cache import TrainingCache
 from ..data.encoding import pack_latents
+from ..data.masks import packed_mask
 from ..objective import sample_timesteps
 
 
@@ -120,15 +121,24 @@ class CachedFeatures(Dataset):
 
     Returns ``x0`` (b, N, 64) packed clean latents, ``noise`` like it, ``t`` (b,), ``embeds``
     (b, L, layers, dim) with ``mask`` (b, L), ``grid`` (h/2, w/2) and the sample ``ids``. With
-    ``style_groups`` (style-reference training) also ``references`` (b, R, 64),
-    ``reference_positions`` (R, 3), ``key_bias`` (b, L + N + R) and ``reference_ids`` (b, k).
+    ``references`` (the reference source: :class:`finetune.data.style_groups.StyleGroups` for
+    style-reference training, :class:`finetune.data.pair_features.PairFeatures` for paired samples)
+    also what its ``inputs`` gives: ``references`` (b, R, 64), ``reference_positions`` (R, 3), and
+    ``key_bias`` (b, L + N + R) / ``reference_ids`` (b, k) or vision-token ``embeds`` / ``mask``.
+
+    ``caption_dropout``: one probability, or one per sample (per dataset, ``data.datasets``).
+    ``sample_weights`` (per sample; regularisation samples' ``prior_loss_weight``) adds
+    ``sample_weights`` (b,); a cache with masks (``masked``) adds ``loss_mask`` (b, N, 64), the
+    latent-grid masks packed like ``x0``.
     """
 
     def __init__(self, cache: TrainingCache, batches: BucketBatches, batch: GlobalBatch, seed: int,
-                 caption_dropout: float, objective, style_groups=None):
+                 caption_dropout: float | Sequence[float], objective, references=None, *,
+                 sample_weights: Sequence[float] | None = None, masked: bool = False):
         self.cache, self.batches, self.batch = cache, batches, batch
         self.seed, self.caption_dropout, self.objective = seed, caption_dropout, objective
-        self.style_groups = style_groups
+        self.references = references
+        self.sample_weights, self.masked = sample_weights, masked
 
     def __getitem__(self, item: tuple[int, Forward]) -> dict:
         step, forward = item
@@ -136,24 +146,31 @@ class CachedFeatures(Dataset):
         global_ids = self.batches.global_batch(index)
         mine = slice(forward.start, forward.stop)
         local = global_ids[mine]
-        latents = self.cache.latents(local)  # (b, 16, h, w)
+        if self.masked:
+            latents, masks = self.cache.latents_and_masks(local)  # (b, 16, h, w), (b, h, w)
+        else:
+            latents = self.cache.latents(local)  # (b, 16, h, w)
         x0 = pack_latents(latents)
         generator = step_generator(self.seed, index)
         n_global, tokens, features = len(global_ids), x0.shape[1], x0.shape[2]
         noise = torch.randn((n_global, tokens, features), generator=generator)
         t = sample_timesteps(n_global, tokens, self.objective, generator)
-        drop = (torch.rand(n_global, generator=generator) < self.caption_dropout).tolist()
-        embeds, mask = self.cache.text(local, drop[mine])
+        chance = self.caption_dropout
+        if not isinstance(chance, (int, float)):
+            chance = torch.tensor([chance[i] for i in global_ids], dtype=torch.float32)
+        drop = (torch.rand(n_global, generator=generator) < chance).tolist()
+        # The epoch picks each sample's caption variant (tag shuffling, finetune.data.captions).
+        embeds, mask = self.cache.text(local, drop[mine], index // self.batches.batches_per_epoch)
         item = dict(x0=x0, noise=noise[mine], t=t[mine], embeds=embeds, mask=mask,
                     grid=torch.tensor([latents.shape[2] // 2, latents.shape[3] // 2]), ids=torch.tensor(local))
-        if self.style_groups is not None:
-            from ..data.style_groups import reference_inputs
-
+        if self.masked:
+            item["loss_mask"] = packed_mask(masks, latents.shape[1])
+        if self.sample_weights is not None:
+            item["sample_weights"] = torch.tensor([self.sample_weights[i] for i in local], dtype=torch.float32)
+        if self.references is not None:
             # Drawn after the noise for the whole global micro-batch: any process split sees the same.
-            references, strengths = self.style_groups.draw(global_ids, generator)
-            item.update(reference_inputs(self.cache, references[mine], strengths[mine], tuple(latents.shape[2:]),
-                                         embeds.shape[1], self.style_groups.config.resolution))
-            item["reference_ids"] = torch.tensor(references[mine])
+            item.update(self.references.inputs(self.cache, global_ids, mine, drop, generator, tuple(latents.shape[2:]),
+                                               embeds.shape[1]))
         return item
 
     def __len__(self) -> int:  # map-style, indexed by the sampler's items

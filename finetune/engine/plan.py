@@ -21,13 +21,14 @@ GIB = 1024**3
 # The CUDA context, cuBLAS/attention workspaces and allocator fragmentation: measured values on
 # H100/H200 lie between 0.6 and 1.2 GiB; the plan keeps the upper end.
 RUNTIME_OVERHEAD = int(1.2 * GIB)
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2}  # per trainable parameter (two moments)
 
 
 @dataclass
 class MemoryPlan:
     rows: list[tuple[str, int]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    host_rows: list[tuple[str, int]] = field(default_factory=list)
+    """Training tensors kept in host memory whatever the device (e.g. ``training.ema.on_cpu``)."""
 
     def add(self, label: str, size: int) -> None:
         self.rows.append((label, int(size)))

@@ -21,6 +21,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="repeatable; default: every format of the checkpoint's kind")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="full weights: cast to this dtype")
     parser.add_argument("--trigger-word", action="append", default=[], dest="trigger_words", help="LoRA metadata")
+    parser.add_argument("--weights", choices=["raw", "ema"],
+                        help="the trained weights or their EMA (training.ema); default: what the run exports")
     return parser
 
 
@@ -38,6 +40,6 @@ def run(args: argparse.Namespace) -> int:
     if taken:
         raise ValueError(f"{out} already holds exported files ({taken[0].name}); choose another folder")
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    for path in export_checkpoint(checkpoint, out, args.formats, args.trigger_words, dtype):
+    for path in export_checkpoint(checkpoint, out, args.formats, args.trigger_words, dtype, args.weights):
         print(path)
     return 0

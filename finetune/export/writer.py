@@ -30,58 +30,60 @@ LORA_FILE_NAMES = {
 }
 FULL_FORMATS = ("diffusers", "original")
 ORIGINAL_FILE_NAME = "krea2_original.safetensors"
-MODEL_PREFIX = "model."
 # Tensors read from the checkpoint per group while streaming a full model out.
 GROUP_BYTES = 1 << 30
 
 
-def model_tensors(path: Path, prefix: str = "") -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+def model_tensors(path: Path, prefix: str = "", section: str = "model") -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """Model tensors of a DCP checkpoint (by parameter name) with their dtype and global shape;
-    ``prefix``: only the names under it (e.g. a distillation's ``student.``), without it."""
+    ``prefix``: only the names under it (e.g. a distillation's ``student.``), without it.
+    ``section``: ``model`` (the trained weights) or ``ema`` (their average, :mod:`finetune.ema`)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = FileSystemReader(str(path)).read_metadata()
     out = {}
+    start = f"{section}." + prefix
     for key, entry in metadata.state_dict_metadata.items():
-        if key.startswith(MODEL_PREFIX + prefix) and isinstance(entry, TensorStorageMetadata):
-            out[key[len(MODEL_PREFIX + prefix):]] = (entry.properties.dtype, tuple(entry.size))
+        if key.startswith(start) and isinstance(entry, TensorStorageMetadata):
+            out[key[len(start):]] = (entry.properties.dtype, tuple(entry.size))
     return out
 
 
-def read_model_tensors(path: Path, names: list[str], shapes: dict, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Read whole tensors ``names`` (under ``prefix``) from a DCP checkpoint in this process alone
-    (any writer world size)."""
+def read_model_tensors(path: Path, names: list[str], shapes: dict, prefix: str = "", section: str = "model") -> dict[str, torch.Tensor]:
+    """Read whole tensors ``names`` (under ``prefix``, in ``section``: see :func:`model_tensors`)
+    from a DCP checkpoint in this process alone (any writer world size)."""
     import torch.distributed.checkpoint as dcp
 
-    state = {"model": {prefix + n: torch.empty(shapes[n][1], dtype=shapes[n][0]) for n in names}}
+    state = {section: {prefix + n: torch.empty(shapes[n][1], dtype=shapes[n][0]) for n in names}}
     dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    return {n[len(prefix):]: v for n, v in state["model"].items()}
+    return {n[len(prefix):]: v for n, v in state[section].items()}
 
 
 def _groups(path: Path, names: list[str], shapes: dict, dtype: torch.dtype | None,
-            prefix: str = "") -> Iterator[dict[str, torch.Tensor]]:
+            prefix: str = "", section: str = "model") -> Iterator[dict[str, torch.Tensor]]:
     group, size = [], 0
     for name in names:
         group.append(name)
         size += shapes[name][0].itemsize * int(torch.Size(shapes[name][1]).numel())
         if size >= GROUP_BYTES or name == names[-1]:
-            tensors = read_model_tensors(path, group, shapes, prefix)
+            tensors = read_model_tensors(path, group, shapes, prefix, section)
             yield {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in tensors.items()}
             group, size = [], 0
 
 
-def export_lora(path: Path, out_dir: Path, state: dict, formats: list[str], trigger_words: list[str]) -> list[Path]:
+def export_lora(path: Path, out_dir: Path, state: dict, formats: list[str], trigger_words: list[str],
+                section: str = "model") -> list[Path]:
     """LoRA files from a LoRA run's checkpoint (its model part holds only the adapters). A LoKr or
     LoHa run writes LyCORIS tensors (``lokr_w1`` ..., ``hada_w1_a`` ...) under each format's module
     names, its ``alpha / rank`` folded into the first factor."""
-    shapes = model_tensors(path)
+    shapes = model_tensors(path, section=section)
     # The model part holds the trainable parameters only (older checkpoints also held frozen buffers,
     # e.g. fp8 row scales); a distillation's fake-score adapter is excluded by the run's export hints.
     excluded = [f".{name}." for name in state.get("export", {}).get("exclude_adapters", [])]
     names = [n for n in shapes if any(f".{prefix}" in n for prefix in ADAPTER_PREFIXES)
              and not any(e in f"{n}." for e in excluded)]
-    trainable = read_model_tensors(path, sorted(names), shapes)
+    trainable = read_model_tensors(path, sorted(names), shapes, section=section)
     lora = state["lora"]
     layers = lora_layers_from_diffusers_state_dict(trainable, alpha=lora["alpha"], rank=lora["rank"])
     kind = lora.get("type", "lora")
@@ -91,6 +93,8 @@ def export_lora(path: Path, out_dir: Path, state: dict, formats: list[str], trig
         "ss_network_module": "lycoris.kohya",
         "ss_network_args": json.dumps({"algo": kind, **({"factor": lora["factor"]} if kind == "lokr" else {})}),
     }
+    if section == "ema":  # which weights the file holds, for whoever compares files later
+        extra = {**extra, "krea2.ema_decay": str(state["ema"]["decay"])}
     written = []
     for fmt in formats:
         if fmt not in LORA_FILE_NAMES:
@@ -105,14 +109,15 @@ def export_lora(path: Path, out_dir: Path, state: dict, formats: list[str], trig
     return written
 
 
-def export_full(path: Path, out_dir: Path, state: dict, formats: list[str], dtype: torch.dtype | None = None) -> list[Path]:
+def export_full(path: Path, out_dir: Path, state: dict, formats: list[str], dtype: torch.dtype | None = None,
+                section: str = "model") -> list[Path]:
     """``transformer/`` (diffusers folder) and/or ``krea2_original.safetensors``, streamed."""
     hints = state.get("export", {})
     prefix = hints.get("model_prefix", "")
-    shapes = model_tensors(path, prefix)
+    shapes = model_tensors(path, prefix, section)
     names = sorted(shapes)
     meta = {"format": "pt", "krea2.base_model": state["base_model"], "krea2.steps": str(state["step"]),
-            **hints.get("metadata", {})}
+            **hints.get("metadata", {}), **({"krea2.ema_decay": str(state["ema"]["decay"])} if section == "ema" else {})}
 
     def entries(rename=lambda n: n, reshape=lambda n, s: s):
         return [(rename(n), dtype if dtype is not None and shapes[n][0].is_floating_point else shapes[n][0],
@@ -122,7 +127,7 @@ def export_full(path: Path, out_dir: Path, state: dict, formats: list[str], dtyp
     if "diffusers" in formats:
         folder = out_dir / "transformer"
         write_safetensors_streaming(folder / "diffusion_pytorch_model.safetensors", entries(),
-                                    _groups(path, names, shapes, dtype, prefix), metadata=meta)
+                                    _groups(path, names, shapes, dtype, prefix, section), metadata=meta)
         config = {**state["transformer_config"], "_class_name": "Krea2Transformer2DModel"}
         with atomic_write(folder / "config.json", "w") as handle:
             handle.write(json.dumps(config, indent=2))
@@ -133,7 +138,7 @@ def export_full(path: Path, out_dir: Path, state: dict, formats: list[str], dtyp
             return (shape[0] * shape[1],) if modulation else shape
 
         chunks = ({diffusers_module_to_original(k): v.reshape(flat(k, tuple(v.shape))) for k, v in chunk.items()}
-                  for chunk in _groups(path, names, shapes, dtype, prefix))
+                  for chunk in _groups(path, names, shapes, dtype, prefix, section))
         target = out_dir / ORIGINAL_FILE_NAME
         write_safetensors_streaming(target, entries(diffusers_module_to_original, flat), chunks, metadata=meta)
         written.append(target)
@@ -141,15 +146,25 @@ def export_full(path: Path, out_dir: Path, state: dict, formats: list[str], dtyp
 
 
 def export_checkpoint(path: Path, out_dir: Path, formats: list[str] | None = None, trigger_words: list[str] = (),
-                      dtype: torch.dtype | None = None) -> list[Path]:
+                      dtype: torch.dtype | None = None, weights: str | None = None) -> list[Path]:
     """Everything a run exports, from checkpoint folder ``path`` into ``out_dir``.
 
     ``formats``: LoRA runs ``diffusers``/``comfyui``/``kohya``; full fine-tunes ``diffusers``/``original``
     (default: all of the kind). ``dtype``: cast full weights (e.g. bf16), None keeps the stored float32.
+    ``weights``: ``raw`` (the trained weights) or ``ema`` (their average, when the run kept one);
+    None: what the run exports (``training.ema.export``: the average unless it is ``raw``).
     """
     path, out_dir = Path(path), Path(out_dir)
     state = read_train_state(path)
+    ema = state.get("ema")
+    if weights is None:
+        weights = "ema" if ema and ema["export"] != "raw" else "raw"
+    if weights not in ("raw", "ema"):
+        raise ValueError(f"weights must be 'raw' or 'ema', got {weights!r}")
+    if weights == "ema" and not ema:
+        raise ValueError(f"{path} holds no EMA (its run had no training.ema)")
+    section = "ema" if weights == "ema" else "model"
     if state["method"] == "lora":
-        return export_lora(path, out_dir, state, list(formats or LORA_FILE_NAMES), list(trigger_words))
+        return export_lora(path, out_dir, state, list(formats or LORA_FILE_NAMES), list(trigger_words), section)
     wanted = [f for f in (formats or FULL_FORMATS) if f in FULL_FORMATS] or list(FULL_FORMATS)
-    return export_full(path, out_dir, state, wanted, dtype)
+    return export_full(path, out_dir, state, wanted, dtype, section)

@@ -173,6 +173,11 @@ class PosttrainConfig(TrainConfig):
         section, name = self.section, self.method
         if self.training.method == "lora" and self.lora.type != "lora":
             raise ConfigError(f"lora.type={self.lora.type!r}: krea2 posttrain trains LoRA adapters only (lokr and loha are for krea2 train)")
+        # Both change which weights are validated, saved and exported, which krea2 train's loop handles and this one does not.
+        if self.training.ema is not None:
+            raise ConfigError("training.ema is for krea2 train; krea2 posttrain keeps no EMA")
+        if self.optimizer.name == "adamw_schedulefree":
+            raise ConfigError("optimizer.name=adamw_schedulefree is for krea2 train; krea2 posttrain takes adamw, adamw8bit, prodigy or adafactor")
         if section.resolution <= 0 or section.resolution % 16:
             raise ConfigError(f"{name}.resolution must be a positive multiple of 16, got {section.resolution}")
         if name == "dpo":

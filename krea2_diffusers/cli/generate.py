@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..presets import MEMORY_PRESETS, REFERENCE_ATTENTION
+from ..presets import MEMORY_PRESETS, REFERENCE_ATTENTION, REFERENCE_METHODS
 
 # Text-to-image size when no --init-image gives one.
 DEFAULT_SIZE = 1024
@@ -55,6 +55,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--reference-attention", choices=REFERENCE_ATTENTION, default="joint",
                    help="joint: as the style-reference LoRA was trained; cached: references attend among themselves, "
                         "computed once per image (cheaper per step)")
+    p.add_argument("--reference", action="append", default=[], metavar="PATH",
+                   help="reference image for an edit / identity / insertion LoRA (vision tokens + reference latents, "
+                        "own aspect, at most 1024^2 px); repeatable, up to 3")
+    p.add_argument("--reference-method", choices=REFERENCE_METHODS, default="index_timestep_zero",
+                   help="index_timestep_zero: reference tokens modulated as timestep 0 (ComfyUI's native Krea 2); "
+                        "index: with each step's timestep")
+    p.add_argument("--no-reference-vision-tokens", dest="reference_vision_tokens", action="store_false",
+                   help="--reference images enter as latents only, not as vision tokens in the prompt")
+    p.add_argument("--no-reference-latents", dest="reference_latents", action="store_false",
+                   help="--reference images enter as vision tokens only, not as latents")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     return p
 
@@ -128,8 +138,28 @@ def check_arguments(args) -> tuple[list[Path], list, list]:
     return paths, style, loras
 
 
+def check_references(args, style):
+    """``--reference`` images read and checked (count, each an image) before any model loads; None without."""
+    from ..conditioning.reference_images import MAX_REFERENCE_IMAGES, check_reference_images
+    from ..presets import check_reference_options
+
+    check_reference_options(args.reference_attention, args.reference_method)
+    if not args.reference:
+        return None
+    if len(args.reference) > MAX_REFERENCE_IMAGES:
+        raise ValueError(f"at most {MAX_REFERENCE_IMAGES} --reference images are supported, got {len(args.reference)}: "
+                         f"{', '.join(args.reference)}")
+    if style:
+        raise ValueError("--reference and --style-ref cannot be combined: pass one kind of reference")
+    for path in args.reference:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"{path}: no such file (--reference)")
+    return check_reference_images(args.reference, vision_tokens=args.reference_vision_tokens, latents=args.reference_latents)
+
+
 def run(args) -> int:
     paths, style, loras = check_arguments(args)
+    references = check_references(args, style)
     import torch
 
     from .. import Krea2Img2ImgPipeline, Krea2InpaintPipeline, Krea2Pipeline
@@ -175,7 +205,10 @@ def run(args) -> int:
                   num_inference_steps=args.steps, guidance_scale=args.guidance,
                   num_images_per_prompt=args.num_images, generator=generators, creativity=args.creativity,
                   expansion_seed=args.seed, style_images=[p for p, _ in style] or None,
-                  style_strengths=[s for _, s in style] or None, style_mode=args.style_mode)
+                  style_strengths=[s for _, s in style] or None, style_mode=args.style_mode,
+                  reference_images=None if references is None else references.images,
+                  reference_vision_tokens=args.reference_vision_tokens, reference_latents=args.reference_latents,
+                  reference_method=args.reference_method)
     if result.expanded_prompts is not None:
         print(f"expanded prompt: {result.expanded_prompts[0]}")
     preset = pipe.preset
@@ -193,6 +226,10 @@ def run(args) -> int:
         if style:
             settings["style_references"] = [{"image": str(p), "strength": s} for p, s in style]
             settings.update(style_mode=args.style_mode, reference_attention=args.reference_attention)
+        if references is not None:
+            settings.update(references=[str(p) for p in args.reference], reference_method=args.reference_method,
+                            reference_vision_tokens=args.reference_vision_tokens, reference_latents=args.reference_latents,
+                            reference_attention=args.reference_attention)
         if args.init_image:
             settings.update(init_image=str(args.init_image), strength=args.strength)
             if args.mask:

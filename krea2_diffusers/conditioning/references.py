@@ -185,7 +185,7 @@ def _check_strength(value, what: str) -> float:
 
 
 def check_style_inputs(style_images, style_strengths=None, max_references: int = MAX_STYLE_REFERENCES,
-                       moodboard: bool = False) -> list[float]:
+                       moodboard: bool = False, what: str = "style") -> list[float]:
     """Validate style references before any model work; return one strength per image.
 
     Args:
@@ -196,6 +196,7 @@ def check_style_inputs(style_images, style_strengths=None, max_references: int =
         moodboard: read the images together as ONE reference instead: 1 to
             :data:`MAX_MOODBOARD_IMAGES` images, ``style_strengths`` is None (0.35) or one number for the
             whole board; the returned list then holds that one strength.
+        what: the arguments' prefix in messages (``style``: style_images; ``reference``: reference_images).
 
     Raises:
         ValueError: strengths without images, more or fewer strengths than images, a negative or
@@ -206,7 +207,7 @@ def check_style_inputs(style_images, style_strengths=None, max_references: int =
         raise ValueError(f"a moodboard takes 1 to {MAX_MOODBOARD_IMAGES} images, got none")
     if count == 0:
         if style_strengths is not None and not (isinstance(style_strengths, (list, tuple)) and not style_strengths):
-            raise ValueError("style_strengths given without style_images")
+            raise ValueError(f"{what}_strengths given without {what}_images")
         return []
     if moodboard:
         if count > MAX_MOODBOARD_IMAGES:
@@ -219,16 +220,16 @@ def check_style_inputs(style_images, style_strengths=None, max_references: int =
     if isinstance(max_references, bool) or not isinstance(max_references, int) or max_references < 1:
         raise ValueError(f"max_references must be a positive integer, got {max_references!r}")
     if count > max_references:
-        raise ValueError(f"at most {max_references} style references are supported, got {count} "
-                         "(pass moodboard=True to read many images together as one direction)")
+        hint = " (pass moodboard=True to read many images together as one direction)" if what == "style" else ""
+        raise ValueError(f"at most {max_references} {what} images are supported, got {count}{hint}")
     if style_strengths is None:
         return [DEFAULT_STYLE_STRENGTH] * count
     if not isinstance(style_strengths, (list, tuple, np.ndarray, torch.Tensor)):
-        return [_check_strength(style_strengths, "style strength")] * count
+        return [_check_strength(style_strengths, f"{what} strength")] * count
     strengths = [s.item() if isinstance(s, (np.generic, torch.Tensor)) else s for s in style_strengths]
     if len(strengths) != count:
-        raise ValueError(f"got {len(strengths)} style strengths for {count} style images; give one strength per image")
-    return [_check_strength(s, f"style strength {i}") for i, s in enumerate(strengths)]
+        raise ValueError(f"got {len(strengths)} {what} strengths for {count} {what} images; give one strength per image")
+    return [_check_strength(s, f"{what} strength {i}") for i, s in enumerate(strengths)]
 
 
 def parse_style_ref(spec: str) -> tuple[str, float]:

@@ -131,18 +131,16 @@ def moodboard_side(height: int, width: int, style_resolution: int | None) -> int
     return max(PIXELS_PER_TOKEN, int(math.sqrt(area)) // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN)
 
 
-def encode_reference_latents(vae, images, area: float, device) -> tuple[torch.Tensor, list[tuple[int, int]], torch.Tensor]:
-    """VAE-encode references at ``area`` pixels each: packed latents (1, R, 64), per-reference
-    ranges in R, positions (R, 3) at (k, i, j)."""
+def encode_reference_latents(vae, images, sizes: list[tuple[int, int]], device) -> tuple[torch.Tensor, list[tuple[int, int]], torch.Tensor]:
+    """VAE-encode references resized to pixel ``sizes`` (h, w) (multiples of 16): packed latents
+    (1, R, 64), per-reference ranges in R, positions (R, 3) at (k, i, j)."""
     import numpy as np
 
-    packed, sizes = [], []
-    for image in images:
-        h, w = reference_size(image, area)
+    packed = []
+    for image, (h, w) in zip(images, sizes):
         pixels = torch.from_numpy(np.asarray(image.convert("RGB").resize((w, h)), dtype=np.float32) / 255.0)
         latents = encode_images(vae, pixels.permute(2, 0, 1)[None].to(device))
         packed.append(pack_latents(latents.float()))
-        sizes.append((h, w))
     groups, positions = reference_layout(sizes, device)
     return torch.cat(packed, 1), groups, positions
 
@@ -203,9 +201,56 @@ def prepare_style_batch(pipe, texts: list[str], images, strengths: list[float], 
         raise ValueError(f"style_mode must be one of {STYLE_MODES}, got {mode!r}")
     if mode == "reference":
         area = reference_area(height, width, len(images), style_resolution)
-        embeds, mask, groups = _reference_text(pipe, texts, images, max_sequence_length, device,
-                                               vision_pixels(len(images), style_resolution))
-        latents, latent_groups, positions = encode_reference_latents(pipe.vae, images, area, device)
-        return StyleBatch(embeds, mask, strengths, groups, latents.expand(len(texts), -1, -1), latent_groups, positions)
+        return reference_batch(pipe, texts, images, strengths, sizes=[reference_size(image, area) for image in images],
+                               vision_max_pixels=vision_pixels(len(images), style_resolution),
+                               max_sequence_length=max_sequence_length, device=device)
     embeds, mask, groups, _ = _described_text(pipe, texts, images, max_sequence_length, device, cache, seed)
     return StyleBatch(embeds, mask, strengths, groups)
+
+
+def reference_batch(pipe, texts: list[str], images, strengths: list[float], *, sizes: list[tuple[int, int]] | None,
+                    vision_max_pixels: int | None, max_sequence_length: int, device) -> StyleBatch:
+    """The one reference mechanism (style references and general reference images alike).
+
+    Args:
+        texts: every row's text (prompts then negatives).
+        images: RGB PIL references, strengths > 0 each.
+        sizes: pixel (h, w) each reference's latents are encoded at (multiples of 16); None: no
+            reference latents (text only).
+        vision_max_pixels: pixels each image gets as vision tokens in the text encoder; None: plain
+            text (no vision tokens).
+    """
+    if vision_max_pixels is None:
+        layers = pipe.config.text_encoder_select_layers
+        embeds, mask = encode_prompts(pipe.text_encoder, pipe.tokenizer, list(texts), layers=layers,
+                                      max_sequence_length=max_sequence_length, device=device)
+        groups = []
+    else:
+        embeds, mask, groups = _reference_text(pipe, texts, images, max_sequence_length, device, vision_max_pixels)
+    if sizes is None:
+        return StyleBatch(embeds, mask, strengths, groups)
+    latents, latent_groups, positions = encode_reference_latents(pipe.vae, images, sizes, device)
+    return StyleBatch(embeds, mask, strengths, groups, latents.expand(len(texts), -1, -1), latent_groups, positions)
+
+
+def style_image_batch(pipe, prompts, negatives, style_images, style_strengths, *, mode: str, moodboard: bool, height: int,
+                      width: int, max_sequence_length: int, device, cache, style_resolution: int | None) -> StyleBatch | None:
+    """The pipeline's ``style_images``: the style-referenced text (prompts then negatives) and
+    reference inputs, or None (no images, or all at strength 0: exactly the plain generation)."""
+    from .references import check_style_inputs, load_reference_images
+
+    # Checked before any model work; strengths come back one per image (one for a moodboard).
+    strengths = check_style_inputs(style_images, style_strengths, moodboard=moodboard)
+    if not strengths:
+        return None
+    if prompts is None:
+        raise ValueError("style_images need `prompt` text, not prompt_embeds")
+    images = load_reference_images(style_images)
+    if moodboard:  # one board image: the same tokens (and cost) for any number of images
+        images = [moodboard_image(images, moodboard_side(height, width, style_resolution))]
+    kept = [(image, s) for image, s in zip(images, strengths) if s > 0]
+    if not kept:
+        return None
+    return prepare_style_batch(pipe, prompts + (negatives or []), [i for i, _ in kept], [s for _, s in kept], mode=mode,
+                               height=height, width=width, max_sequence_length=max_sequence_length, device=device,
+                               cache=cache, style_resolution=style_resolution)

@@ -24,7 +24,7 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.modeling_utils import ModelMixin
 from diffusers.utils import apply_lora_scale
 
-from ..presets import REFERENCE_ATTENTION
+from ..presets import check_reference_options
 from .layers import Attention, PlainBlock, RMSNorm, SwiGLU, TimestepEmbedding, rope_tables
 
 _COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -294,6 +294,7 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         reference_hidden_states: torch.Tensor | None = None,
         key_bias: torch.Tensor | None = None,
         reference_attention: str = "joint",
+        reference_method: str = "index_timestep_zero",
     ) -> Krea2Conditioning:
         """Run the timestep-independent part of the forward once.
 
@@ -302,7 +303,7 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
             position_ids: (L + N + R, 3) (t, h, w) RoPE coordinates of [text, image, references].
             encoder_attention_mask: (B, L) bool, True for real text tokens; None when all are real.
             reference_hidden_states: (B|1, R, in_channels) packed clean latents of style references,
-                modulated as timestep 0 and placed after the image tokens (batch 1: shared by all rows).
+                modulated per ``reference_method`` and placed after the image tokens (batch 1: shared by all rows).
             key_bias: (B, L + N + R) float additive bias on attention logits per key (e.g. log of a
                 reference's strength), applied in every attention layer; its first L entries also in
                 the text-fusion refiner.
@@ -311,11 +312,13 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
                 ``key_bias``), so they are run through the blocks here, once, and every step's
                 text and image tokens attend to their stored keys/values. Equal to a joint pass whose
                 mask keeps reference queries on reference keys.
+            reference_method: "index_timestep_zero": the references are modulated as timestep 0 (their
+                own modulation, ComfyUI's native Krea 2 with ``ref_latents``); "index": with the step's
+                timestep, like the image tokens (not cacheable: their keys/values change every step).
         """
         if position_ids.ndim != 2 or position_ids.shape[-1] != 3:
             raise ValueError(f"position_ids must have shape (sequence_length, 3), got {tuple(position_ids.shape)}")
-        if reference_attention not in REFERENCE_ATTENTION:
-            raise ValueError(f"reference_attention must be one of {REFERENCE_ATTENTION}, got {reference_attention!r}")
+        check_reference_options(reference_attention, reference_method)
         batch, text_len = encoder_hidden_states.shape[:2]
         mask = None
         if encoder_attention_mask is not None:
@@ -342,8 +345,9 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
             if reference_hidden_states.shape[0] not in (1, batch):
                 raise ValueError(f"reference_hidden_states has batch {reference_hidden_states.shape[0]}, expected 1 or {batch}")
             reference = self.img_in(reference_hidden_states.to(device=device, dtype=dtype))
-            zero = torch.zeros(reference.shape[0], device=device)
-            reference_modulation = self._time_modulation(zero, dtype)[1]
+            if reference_method == "index_timestep_zero":  # "index": None, the step's modulation applies
+                zero = torch.zeros(reference.shape[0], device=device)
+                reference_modulation = self._time_modulation(zero, dtype)[1]
             if reference_attention == "cached":
                 reference_kv, rope = self._cache_references(reference, reference_modulation, rope, key_bias)
                 reference = reference_modulation = None
@@ -387,6 +391,7 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         reference_hidden_states: torch.Tensor | None = None,
         key_bias: torch.Tensor | None = None,
         reference_attention: str = "joint",
+        reference_method: str = "index_timestep_zero",
     ) -> Transformer2DModelOutput | tuple[torch.Tensor]:
         """Predict the flow velocity ``noise - x0`` of the image tokens.
 
@@ -398,7 +403,7 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
             encoder_attention_mask: (B, L) bool, True for real text tokens.
             attention_kwargs: ``{"scale": s}`` scales PEFT LoRA adapters for this call.
             conditioning: the output of :meth:`prepare_conditioning`, reused across steps.
-            reference_hidden_states, key_bias, reference_attention: without ``conditioning``, passed
+            reference_hidden_states, key_bias, reference_attention, reference_method: without ``conditioning``, passed
                 to :meth:`prepare_conditioning` (style references in one call, as training needs);
                 ``position_ids`` then covers [text, image, references].
         Returns:
@@ -409,7 +414,7 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
                 raise ValueError("pass encoder_hidden_states and position_ids, or a prepared `conditioning`")
             conditioning = self.prepare_conditioning(
                 encoder_hidden_states, position_ids, encoder_attention_mask, reference_hidden_states=reference_hidden_states,
-                key_bias=key_bias, reference_attention=reference_attention)
+                key_bias=key_bias, reference_attention=reference_attention, reference_method=reference_method)
         elif reference_hidden_states is not None or key_bias is not None:
             raise ValueError("reference_hidden_states and key_bias go into prepare_conditioning; pass them or `conditioning`, not both")
         if timestep is None:

@@ -19,13 +19,14 @@ from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 
 from .. import sampling
+from ..conditioning.reference_images import DEFAULT_REFERENCE_MAX_PIXELS, check_reference_images
 from ..conditioning.style import DEFAULT_STYLE_RESOLUTION, STYLE_MODES
 from ..conditioning.text import DEFAULT_MAX_SEQUENCE_LENGTH, TAPPED_LAYERS, encode_prompts, pad_conditioning
 from ..latents import PATCH_SIZE, PIXELS_PER_TOKEN, decode_latents, pack_latents, position_ids, round_to_multiple, unpack_latents
 from ..models.tiny import TINY_LABEL, is_tiny, tiny_components
 from ..models.transformer import Krea2Transformer2DModel
 from ..models.vae import enable_single_frame_convs
-from ..presets import REFERENCE_ATTENTION, preset_for
+from ..presets import check_reference_options, preset_for
 
 logger = logging.getLogger(__name__)
 
@@ -268,6 +269,12 @@ class Krea2Pipeline(DiffusionPipeline):
         style_moodboard: bool = False,
         reference_attention: str = "joint",
         style_resolution: int | None = DEFAULT_STYLE_RESOLUTION,
+        reference_images=None,
+        reference_strengths: float | list[float] | None = None,
+        reference_vision_tokens: bool = True,
+        reference_latents: bool = True,
+        reference_method: str = "index_timestep_zero",
+        reference_max_pixels: int = DEFAULT_REFERENCE_MAX_PIXELS,
         image_start: sampling.ImageStart | None = None,
     ):
         """Generate images.
@@ -303,6 +310,11 @@ class Krea2Pipeline(DiffusionPipeline):
             style_resolution: side in pixels of the area ALL reference latents share (default 512:
                 512^2 px, 1024 tokens in total for any number of references); None encodes each
                 reference at the target's area (the community workflow; cost grows with the count).
+            reference_images, reference_strengths: up to 3 images for edit / identity / insertion LoRAs
+                (not with style_images), strengths as style_strengths; reference_vision_tokens /
+                reference_latents switch either entry path off; reference_method "index_timestep_zero"
+                or "index"; reference_max_pixels (1024^2) caps each one's latents. See
+                :mod:`~krea2_diffusers.conditioning.reference_images`.
             image_start: where sampling starts instead of noise (set by ``Krea2Img2ImgPipeline`` and
                 ``Krea2InpaintPipeline``, or built directly from latents, see ``sampling.ImageStart``);
                 ``latents`` is then the noise mixed in.
@@ -324,10 +336,13 @@ class Krea2Pipeline(DiffusionPipeline):
         if bad_inputs:
             raise ValueError(f"callback_on_step_end_tensor_inputs must be among {self._callback_tensor_inputs}, got {sorted(bad_inputs)}")
         interval = sampling.check_guidance_interval(guidance_interval)
-        if reference_attention not in REFERENCE_ATTENTION:
-            raise ValueError(f"reference_attention must be one of {REFERENCE_ATTENTION}, got {reference_attention!r}")
         if style_mode not in STYLE_MODES:
             raise ValueError(f"style_mode must be one of {STYLE_MODES}, got {style_mode!r}")
+        check_reference_options(reference_attention, reference_method)
+        references = check_reference_images(reference_images, reference_strengths, vision_tokens=reference_vision_tokens,
+                                            latents=reference_latents, max_pixels=reference_max_pixels)
+        if references is not None and (style_images is not None or prompt is None):
+            raise ValueError("reference_images need `prompt` text (not prompt_embeds) and no style_images")
         height, width = self._check_size(height, width)
         if (prompt is None) == (prompt_embeds is None):
             raise ValueError("pass exactly one of `prompt` and `prompt_embeds`")
@@ -345,7 +360,7 @@ class Krea2Pipeline(DiffusionPipeline):
         batch = len(prompts) if prompts is not None else prompt_embeds.shape[0]
         negatives = self._as_list(negative_prompt if negative_prompt is not None else "", "negative_prompt", batch) if do_cfg else None
         style = self._style_batch(prompts, negatives, style_images, style_strengths, style_mode, style_moodboard,
-                                  height, width, max_sequence_length, device, style_resolution)
+                                  height, width, max_sequence_length, device, style_resolution, references)
         if style is not None:
             embeds, mask = style.embeds[:batch], style.mask[:batch]
             neg = (style.embeds[batch:], style.mask[batch:]) if do_cfg else None
@@ -400,7 +415,7 @@ class Krea2Pipeline(DiffusionPipeline):
         # 3. Everything that does not change across steps, once.
         conditioning = self.transformer.prepare_conditioning(
             all_embeds.to(device), positions, all_mask.to(device), reference_hidden_states=reference, key_bias=key_bias,
-            reference_attention=reference_attention,
+            reference_attention=reference_attention, reference_method=reference_method,
         )
         cond_only = conditioning.select(slice(0, total)) if do_cfg else conditioning
 
@@ -432,29 +447,21 @@ class Krea2Pipeline(DiffusionPipeline):
         return Krea2PipelineOutput(images=images, expanded_prompts=expanded)
 
     def _style_batch(self, prompts, negatives, style_images, style_strengths, mode, moodboard, height, width,
-                     max_sequence_length, device, style_resolution):
-        """The style-referenced text (prompts then negatives) and reference inputs, or None."""
+                     max_sequence_length, device, style_resolution, references=None):
+        """The referenced text (prompts then negatives) and reference inputs, or None: style images,
+        or checked general ``references`` (``conditioning.reference_images``)."""
         from ..conditioning.descriptions import StyleDescriptionCache
-        from ..conditioning.references import check_style_inputs, load_reference_images
-        from ..conditioning.style import moodboard_image, moodboard_side, prepare_style_batch
+        from ..conditioning.reference_images import reference_image_batch
+        from ..conditioning.style import style_image_batch
 
-        # Checked before any model work; strengths come back one per image (one for a moodboard).
-        strengths = check_style_inputs(style_images, style_strengths, moodboard=moodboard)
-        if not strengths:
-            return None
-        if prompts is None:
-            raise ValueError("style_images need `prompt` text, not prompt_embeds")
-        images = load_reference_images(style_images)
-        if moodboard:  # one board image: the same tokens (and cost) for any number of images
-            images = [moodboard_image(images, moodboard_side(height, width, style_resolution))]
-        kept = [(image, s) for image, s in zip(images, strengths) if s > 0]
-        if not kept:  # every reference at strength 0: exactly the plain generation
-            return None
-        if not hasattr(self, "_style_cache"):
+        if references is not None:
+            return reference_image_batch(self, prompts + (negatives or []), references,
+                                         max_sequence_length=max_sequence_length, device=device)
+        if style_images is not None and not hasattr(self, "_style_cache"):
             self._style_cache = StyleDescriptionCache()
-        return prepare_style_batch(self, prompts + (negatives or []), [i for i, _ in kept], [s for _, s in kept], mode=mode,
-                                   height=height, width=width, max_sequence_length=max_sequence_length, device=device,
-                                   cache=self._style_cache, style_resolution=style_resolution)
+        return style_image_batch(self, prompts, negatives, style_images, style_strengths, mode=mode, moodboard=moodboard,
+                                 height=height, width=width, max_sequence_length=max_sequence_length, device=device,
+                                 cache=getattr(self, "_style_cache", None), style_resolution=style_resolution)
 
     def expand_prompt(self, prompt, creativity: str = "medium", seed: int | None = 0, max_new_tokens: int = 512, expander=None):
         """Expand short prompts with the text encoder's own Qwen3-VL LM head (no extra weights), or
