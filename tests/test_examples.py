@@ -213,6 +213,14 @@ def check_parses(env: dict, argv: list[str], where: str, clone: Path, packs: set
         assert script.is_file(), f"{where}: {argv[1]} is missing"
         subprocess.run(["bash", "-n", str(script)], check=True)
         return
+    if program == "python" and argv[1].startswith("bench/") and argv[1].endswith(".py"):
+        # A benchmark (minutes to hours: not run here): the script exists and defines each option used.
+        script = ROOT / argv[1]
+        assert script.is_file(), f"{where}: {argv[1]} is missing"
+        source = script.read_text()
+        for flag in (a.split("=")[0] for a in argv[2:] if a.startswith("--")):
+            assert f'"{flag}"' in source, f"{where}: {argv[1]} has no option {flag}"
+        return
     if program == "python" and argv[1] == "app.py":
         sys.path.insert(0, str(ROOT))
         try:

@@ -141,6 +141,13 @@ def test_two_stages_from_scratch_learn_with_repa_muon_and_pma(run):
         torch.testing.assert_close(value, sum(a[name] for a in averaged) / 3, rtol=0, atol=1e-7)
     assert not torch.equal(averaged[0]["img_in.weight"], averaged[2]["img_in.weight"])
 
+    # `krea2 export` writes a pretraining checkpoint as a transformer folder holding its exact weights.
+    assert krea2(["export", str(out / "checkpoints/step-36"), str(root / "export-36"), "--format", "diffusers"]) == 0
+    exported = Krea2Transformer2DModel.from_pretrained(str(root / "export-36" / "transformer")).state_dict()
+    assert set(exported) == set(shapes)
+    for name, value in averaged[2].items():
+        assert torch.equal(exported[name], value), name
+
 
 def test_each_epoch_visits_the_pack_in_a_new_order_and_replay_names_the_rows_of_a_step(run, capsys):
     root, out = run

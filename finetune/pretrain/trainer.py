@@ -22,14 +22,14 @@ import torch
 from ..engine.checkpoint import Checkpointer, clean_staging, latest_checkpoint, list_checkpoints, read_train_state
 from ..config import ConfigError
 from ..engine.parallel import fully_shard_blocks, prepare_blocks
-from ..metrics import MetricsLogger
+from ..metrics import MetricsLogger, check_wandb
 from ..objective import add_noise, flow_matching_loss
 from ..optim import lr_multiplier
 from ..rundir import RunDirectoryError, config_changes, config_fingerprint
 from ..stop import StopRequest
 from ..trainer import NonFiniteLossError
 from . import repa as repa_mod
-from .architecture import build_meta_transformer, check_fp8_available, convert_to_fp8_, materialize_
+from .architecture import build_meta_transformer, check_fp8_available, convert_to_fp8_, materialize_, transformer_config
 from .batches import StageBatches, StepData, open_stage_pack
 from .config import PretrainConfig
 from .optimizers import make_optimizers, set_learning_rate
@@ -69,6 +69,7 @@ class Pretrainer:
         self.runtime: PretrainRuntime = make_runtime(config.training.mixed_precision)
         self.ckpt_dir = self.out / "checkpoints"
         self.pma_writer = BackgroundPMA()
+        check_wandb(config.logging.wandb)  # before any model loads
 
     # ------------------------------------------------------------------ checks before any model loads
     def _check_run_dir(self) -> None:
@@ -249,7 +250,10 @@ class Pretrainer:
         it first, so pruning never deletes a checkpoint it is reading)."""
         self.pma_writer.wait()
         self.checkpointer.save(step, self.model, self.optimizers, trainable_only=False,
-                               train_state={"stage": stage_name, "fingerprint": fingerprint(self.config)})
+                               train_state={"stage": stage_name, "fingerprint": fingerprint(self.config),
+                                            # what `krea2 export` reads: a pretraining checkpoint is full weights
+                                            "method": "full", "base_model": self.config.model.init,
+                                            "transformer_config": json.loads(json.dumps(transformer_config(self.config.model)))})
         self.checkpointer.wait()
         pma = self.config.pma
         if pma.every_n_steps and step % pma.every_n_steps == 0 and self.runtime.is_main:
@@ -269,7 +273,8 @@ class Pretrainer:
         result = PretrainResult(self.out, step)
         total = config.total_steps
         metrics = MetricsLogger(self.out, runtime.is_main, step, total, config.logging.tensorboard,
-                                config.logging.progress_bar, config.logging.log_every_n_steps)
+                                config.logging.progress_bar, config.logging.log_every_n_steps,
+                                wandb=config.logging.wandb, run_config=config.to_dict())
         every = config.checkpointing.every_n_steps
         try:
             # Stopped while preparing: no step ran, there is nothing new to save.

@@ -1,0 +1,196 @@
+"""The proving ground's EVALUATION classifier (the judge), and the one small-classifier trainer.
+
+The judge is not the post-training reward (:mod:`proving.rewards`): a different network (a
+ReLU CNN on 16x16 grayscale, where the reward is a SiLU CNN on 32x32) with its own seed, trained
+on the same training split; neither ever sees the held-out split, on which both report their
+accuracy. Its 64-d penultimate activations are the feature space of the Frechet distance (to the
+real held-out digits) and of the per-digit diversity, so a method that collapses each digit to one
+image, or draws digits unlike the real ones, shows even when it is "accurate".
+
+Images everywhere are uint8 (N, H, W, 3) arrays (``proving.digits.Splits``) or float tensors
+(N, 3, H, W) in [0, 1]; the networks take grayscale area-resized to their own input size, so any
+training resolution works and ink polarity is whatever the data uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+JUDGE_SIZE = 16
+FEATURES = 64
+
+
+def to_tensor(images) -> torch.Tensor:
+    """uint8 (N, H, W, 3) array, or float (N, 3, H, W) in [0, 1] -> float (N, 3, H, W) in [0, 1]."""
+    if isinstance(images, torch.Tensor):
+        return images.float()
+    array = np.asarray(images)
+    if array.ndim != 4 or array.shape[-1] != 3:
+        raise ValueError(f"images must be (N, H, W, 3) uint8, got shape {array.shape}")
+    return torch.from_numpy(array).permute(0, 3, 1, 2).float() / 255.0
+
+
+def grayscale(images: torch.Tensor, size: int) -> torch.Tensor:
+    """(N, 3, H, W) in [0, 1] -> (N, 1, size, size): channel mean, area-resized (differentiable)."""
+    gray = images.mean(1, keepdim=True)
+    if gray.shape[-1] != size or gray.shape[-2] != size:
+        gray = F.interpolate(gray, size=(size, size), mode="area")
+    return gray
+
+
+class JudgeNet(nn.Module):
+    """(N, 1, 16, 16) -> logits (N, 10); ``features`` gives the (N, 64) penultimate activations."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(64 * 4 * 4, FEATURES), nn.ReLU(),
+        )
+        self.head = nn.Linear(FEATURES, 10)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def augment(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Training-time jitter on (N, 1, S, S) in [0, 1]: a shift of up to S/16 pixels, contrast and
+    brightness changes and pixel noise, so the classifiers judge generated digits (slightly off
+    centre, soft, noisy) by their shape rather than by the scans' exact pixels."""
+    n, _, size, _ = x.shape
+    pad = max(1, size // 16)
+    padded = F.pad(x, (pad, pad, pad, pad), mode="replicate")
+    dx, dy = torch.randint(0, 2 * pad + 1, (2, n), generator=generator).tolist()
+    shifted = torch.stack([padded[i, :, dy[i]:dy[i] + size, dx[i]:dx[i] + size] for i in range(n)])
+    scale = 1 + 0.3 * (torch.rand(n, 1, 1, 1, generator=generator) - 0.5)
+    offset = 0.1 * (torch.rand(n, 1, 1, 1, generator=generator) - 0.5)
+    noise = 0.05 * torch.randn(shifted.shape, generator=generator)
+    mean = shifted.mean((1, 2, 3), keepdim=True)
+    return ((shifted - mean) * scale + mean + offset + noise).clamp(0, 1)
+
+
+def fit_classifier(net: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, seed: int,
+                   epochs: int, learning_rate: float = 3e-3, batch_size: int = 64) -> nn.Module:
+    """Train ``net`` on ``inputs`` (N, 1, S, S) with int ``labels`` (N,): Adam, cross-entropy,
+    :func:`augment` on every batch, cosine-decayed learning rate. Returns it in eval mode."""
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.Adam(net.parameters(), lr=learning_rate)
+    batches = epochs * -(-len(inputs) // batch_size)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, batches)
+    net.train()
+    for _ in range(epochs):
+        order = torch.randperm(len(inputs), generator=generator)
+        for start in range(0, len(inputs), batch_size):
+            index = order[start:start + batch_size]
+            loss = F.cross_entropy(net(augment(inputs[index], generator)), labels[index])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+    return net.eval()
+
+
+def frechet_distance(a: np.ndarray, b: np.ndarray) -> float:
+    """Frechet distance between Gaussians fitted to feature sets a (N, D) and b (M, D):
+    |mu_a - mu_b|^2 + tr(S_a + S_b - 2 (S_a^1/2 S_b S_a^1/2)^1/2), in float64 through symmetric
+    eigendecompositions (exact for PSD matrices, no complex sqrtm round-off)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if len(a) < 2 or len(b) < 2:
+        raise ValueError(f"Frechet distance needs at least 2 samples per set, got {len(a)} and {len(b)}")
+    mu = a.mean(0) - b.mean(0)
+    cov_a, cov_b = np.cov(a, rowvar=False), np.cov(b, rowvar=False)
+    values, vectors = np.linalg.eigh(cov_a)
+    root_a = (vectors * np.sqrt(values.clip(0))) @ vectors.T
+    cross = np.linalg.eigvalsh(root_a @ cov_b @ root_a).clip(0)
+    # Identical sets give 0 up to round-off of order 1e-4 (trace ~ 1e2 in float64 eigh): never below 0.
+    return max(0.0, float(mu @ mu + np.trace(cov_a) + np.trace(cov_b) - 2 * np.sqrt(cross).sum()))
+
+
+def diversity(features: np.ndarray, labels: np.ndarray) -> float:
+    """Mean pairwise Euclidean distance between features (N, D) of samples of the same label,
+    averaged over labels with at least 2 samples (0 for a set collapsed to one point per label)."""
+    features, labels = np.asarray(features, np.float64), np.asarray(labels)
+    means = []
+    for label in np.unique(labels):
+        group = features[labels == label]
+        if len(group) < 2:
+            continue
+        distances = np.sqrt(((group[:, None] - group[None]) ** 2).sum(-1))
+        means.append(distances.sum() / (len(group) * (len(group) - 1)))
+    if not means:
+        raise ValueError("diversity needs at least 2 samples of one label")
+    return float(np.mean(means))
+
+
+@dataclass
+class Judge:
+    """The trained evaluation classifier and the real held-out digits' features it compares to."""
+
+    net: JudgeNet
+    heldout_accuracy: float
+    heldout_features: np.ndarray
+    heldout_diversity: float
+
+    @torch.no_grad()
+    def features_and_predictions(self, images) -> tuple[np.ndarray, np.ndarray]:
+        """images (N, H, W, 3) uint8 or (N, 3, H, W) in [0, 1] -> features (N, 64), predicted digits (N,)."""
+        x = grayscale(to_tensor(images), JUDGE_SIZE)
+        features = torch.cat([self.net.features(chunk) for chunk in x.split(256)])
+        return features.numpy(), self.net.head(features).argmax(1).numpy()
+
+    def accuracy(self, images, labels) -> float:
+        return float((self.features_and_predictions(images)[1] == np.asarray(labels)).mean())
+
+    def evaluate(self, images, labels) -> dict[str, float]:
+        """{"accuracy": share predicted as ``labels`` (N,), "fd": Frechet distance to the real
+        held-out digits in the judge's feature space, "diversity": :func:`diversity`}."""
+        features, predicted = self.features_and_predictions(images)
+        labels = np.asarray(labels)
+        return {"accuracy": float((predicted == labels).mean()),
+                "fd": frechet_distance(features, self.heldout_features),
+                "diversity": diversity(features, labels)}
+
+    def save(self, path) -> None:
+        """safetensors weights (never pickled), atomically; :func:`load_judge` reads them back."""
+        from safetensors.torch import save_file
+
+        from krea2_diffusers.files import atomic_path
+
+        with atomic_path(path) as tmp:
+            save_file({k: v.contiguous() for k, v in self.net.state_dict().items()}, str(tmp),
+                      metadata={"heldout_accuracy": repr(self.heldout_accuracy)})
+
+
+def load_judge_net(path) -> JudgeNet:
+    """The judge's network from :meth:`Judge.save`'s file (for the reward's accuracy log)."""
+    from safetensors.torch import load_file
+
+    net = JudgeNet()
+    net.load_state_dict(load_file(str(path)))
+    return net.eval()
+
+
+def train_judge(splits, seed: int = 1, epochs: int = 40) -> Judge:
+    """Train the judge on ``splits.train`` (uint8 (N, H, W, 3)) / ``splits.train_labels``; measure
+    it on the held-out split, whose features become the FD reference."""
+    torch.manual_seed(seed)
+    net = JudgeNet()
+    inputs = grayscale(to_tensor(splits.train), JUDGE_SIZE)
+    labels = torch.as_tensor(np.asarray(splits.train_labels), dtype=torch.long)
+    fit_classifier(net, inputs, labels, seed, epochs)
+    judge = Judge(net, 0.0, np.zeros((0, FEATURES)), 0.0)
+    features, predicted = judge.features_and_predictions(splits.heldout)
+    heldout_labels = np.asarray(splits.heldout_labels)
+    judge.heldout_accuracy = float((predicted == heldout_labels).mean())
+    judge.heldout_features = features
+    judge.heldout_diversity = diversity(features, heldout_labels)
+    return judge

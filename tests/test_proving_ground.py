@@ -1,0 +1,65 @@
+"""The proving ground (bench/proving_ground.py, issue 32) in its --quick form: the whole life of a
+Krea 2 trained on real digits through the product's own commands, end to end, in one process tree.
+
+Asserts the plumbing (every pinned sample, model and JSON field) and the direction of the cheapest
+effects: pretraining beats the scratch-initialised transformer it started from (Frechet distance
+to the real held-out digits), and the concept LoRA shows red ink with its trigger more often than
+without it. Thresholds of the full run are the benchmark's (README, "Proving ground"), not CI's.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("base_nocfg", "base", "lora", "lora_off", "dpo", "grpo", "draft", "teacher_4", "teacher_28", "student_4")
+KEYS = ("accuracy", "fd", "diversity", "steps", "seconds", "num_inference_steps", "guidance")
+
+
+def test_quick_run_trains_and_measures_every_stage(tmp_path):
+    out, summary_path = tmp_path / "pg", tmp_path / "pg.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "proving_ground.py"), "--out", str(out), "--quick",
+                           "--json", str(summary_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
+    summary = json.loads(summary_path.read_text())
+
+    per_digit = summary["settings"]["per_digit"]
+    for stage in STAGES:
+        row = summary["stages"][stage]
+        assert all(row[k] is not None for k in KEYS), (stage, row)
+        assert 0 <= row["accuracy"] <= 1 and row["fd"] >= 0 and row["diversity"] >= 0, (stage, row)
+        folder = out / "samples" / stage
+        assert sorted(p.name for p in folder.iterdir()) == sorted(f"{d}_{k}.png" for d in range(10) for k in range(per_digit))
+        with Image.open(folder / "7_0.png") as image:
+            assert image.mode == "RGB" and image.size == (64, 64)
+    assert summary["stages"]["teacher_4"]["num_inference_steps"] == 4 == summary["stages"]["student_4"]["num_inference_steps"]
+    assert summary["stages"]["base_nocfg"]["guidance"] == 0 < summary["stages"]["base"]["guidance"]
+
+    # Loadable outputs: the base model folder (from krea2 pretrain + krea2 export) and the stage LoRAs.
+    from krea2_diffusers import Krea2Pipeline
+
+    pipe = Krea2Pipeline.from_pretrained(str(out / "models" / "base"))
+    for stage in ("lora", "dpo", "grpo", "draft"):
+        pipe.load_lora_weights(str(out / "models" / stage / "lora_diffusers.safetensors"), adapter_name=stage)
+    assert (out / "models" / "student_4" / "model_index.json").is_file()
+    assert summary["vae"]["judge_accuracy"] is not None and summary["classifier"]["judge_heldout_accuracy"] > 0.5
+
+    # The cheapest effects. Pretraining: the scratch transformer predicts zero velocity, so its samples are
+    # decoded noise; a few dozen steps already learn paper and ink where digits are.
+    assert summary["stages"]["base"]["fd"] < summary["untrained"]["fd"]
+    # The concept LoRA (red ink with the trigger word; black regularization scans without it): a few
+    # steps already redden the ink of triggered samples (the mean red share of ink pixels).
+    assert summary["concept_scores"]["lora"] > summary["concept_scores"]["lora_off"]
+    assert summary["stages"]["lora"]["concept"] >= summary["stages"]["lora_off"]["concept"]
+    # The concept measure itself, on real scans: every red-ink one counts, no black one does.
+    assert summary["classifier"]["concept_measure"] == {"red_heldout_shows": 1.0, "black_heldout_shows": 0.0}
+
+    report = (out / "report.md").read_text()
+    assert all(f"grids/{stage}.png" in report for stage in STAGES)
+    assert np.isfinite(summary["total_seconds"])

@@ -1,0 +1,91 @@
+"""The proving ground's measuring instruments (bench/proving/judge.py, rewards.py, report.py):
+Frechet distance and diversity against values worked out by hand, the reward plug-in against
+krea2 posttrain's own reward checks (GRPO's list of floats, DRaFT's gradient path), and the curve
+read back from the reward's log. No classifier is trained here (the full run measures them)."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from finetune.posttrain.differentiable_rewards import score_images  # noqa: E402
+from finetune.posttrain.rewards import Reward, score  # noqa: E402
+from proving.judge import diversity, frechet_distance  # noqa: E402
+from proving.posttraining import read_curve  # noqa: E402
+from proving.rewards import DigitReward, RewardNet, digit_of  # noqa: E402
+
+
+def test_frechet_distance_of_a_set_with_itself_is_zero_and_a_shift_costs_its_square():
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(200, 8)) @ rng.normal(size=(8, 8))
+    # Same set: the only error is float64 round-off in eigh on a trace of ~1e2.
+    assert frechet_distance(a, a) == pytest.approx(0.0, abs=1e-8 * np.trace(np.cov(a, rowvar=False)))
+    shift = np.arange(8.0)
+    # Equal covariances: the trace term cancels, FD = |shift|^2 = 140.
+    assert frechet_distance(a + shift, a) == pytest.approx(float(shift @ shift), rel=1e-9)
+    with pytest.raises(ValueError, match="at least 2"):
+        frechet_distance(a[:1], a)
+
+
+def test_diversity_is_the_mean_pairwise_distance_within_each_label():
+    features = np.array([[0.0], [3.0], [0.0], [1.0], [2.0], [5.0]])
+    labels = np.array([0, 0, 1, 1, 1, 2])  # label 2 has one sample: no pair, not counted
+    # label 0: one pair at distance 3; label 1: pairs 1, 2, 1 -> 4/3.
+    assert diversity(features, labels) == pytest.approx((3 + 4 / 3) / 2, rel=1e-12)
+    collapsed = np.repeat(np.array([[1.0, 2.0], [3.0, 4.0]]), 5, axis=0)
+    assert diversity(collapsed, np.repeat([0, 1], 5)) == 0.0
+
+
+def test_digit_of_reads_the_prompted_digit():
+    assert digit_of("a handwritten digit seven") == 7
+    assert digit_of("a handwritten digit zero, rdink") == 0
+    with pytest.raises(ValueError, match="names no digit"):
+        digit_of("a picture")
+
+
+@pytest.fixture
+def reward_file(tmp_path):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    path = tmp_path / "reward.safetensors"
+    save_file(RewardNet().state_dict(), str(path))
+    return path
+
+
+def test_digit_reward_passes_grpo_and_draft_checks_and_logs(reward_file, tmp_path):
+    prompts = ["a handwritten digit three", "a handwritten digit eight"]
+    log = tmp_path / "curve.jsonl"
+    plugin = DigitReward(str(reward_file), kind="log_prob", log=str(log))
+    reward = Reward("proving.rewards:DigitReward", plugin, 1.0, None)
+    leaf = torch.rand(2, 3, 64, 64, requires_grad=True)
+    images = leaf * 1.0  # as DRaFT's decoded images: not a leaf, so the product checks the path to them
+    total, _ = score_images([reward], images, prompts, [{"step": 3}, {"step": 3}])
+    total.sum().backward()
+    assert leaf.grad.abs().sum() > 0
+    # GRPO's PIL path scores the same images the same way (to uint8 rounding: 1/255 per pixel).
+    from PIL import Image
+
+    pil = [Image.fromarray((x.detach().permute(1, 2, 0).numpy() * 255).round().astype("uint8")) for x in images]
+    values, _ = score([reward], pil, prompts, [{"eval": True}, {"eval": True}])
+    assert values.numpy() == pytest.approx(total.detach().numpy(), abs=0.05)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(r["step"], r["eval"]) for r in rows] == [(3, False), (3, True)]
+
+
+def test_read_curve_takes_the_first_evaluation_as_the_base(tmp_path):
+    log = tmp_path / "curve.jsonl"
+    rows = [{"step": 1, "eval": False, "reward_mean": 0.1, "accuracy": 0.1},
+            {"step": 1, "eval": True, "reward_mean": 0.2, "accuracy": 0.2},
+            {"step": 1, "eval": True, "reward_mean": 0.3, "accuracy": 0.3},
+            {"step": 2, "eval": True, "reward_mean": 0.4, "accuracy": 0.5}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert read_curve(log, base_first=True) == [{"step": 0, "reward": 0.2, "accuracy": 0.2},
+                                                {"step": 1, "reward": 0.3, "accuracy": 0.3},
+                                                {"step": 2, "reward": 0.4, "accuracy": 0.5}]
+    assert [p["step"] for p in read_curve(log, base_first=False)] == [1, 1, 2]
