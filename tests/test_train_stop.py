@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from train_tab.errors import TrainInputError
@@ -107,6 +108,7 @@ def test_posttrain_and_pretrain_share_the_stop_and_end_before_a_step_when_stoppe
     pretrain_config.checkpointing, pretrain_config.logging = section(), section()
     pretrain_config.checkpointing.every_n_steps = 0
     pretrain_config.logging.tensorboard, pretrain_config.logging.progress_bar, pretrain_config.logging.log_every_n_steps = False, False, 1
+    pretrain_config.logging.wandb, pretrain_config.to_dict = None, dict
     monkeypatch.setattr(PosttrainTrainer, "setup", stop_while_setting_up)
     monkeypatch.setattr(PosttrainTrainer, "train_step", no_step)
     monkeypatch.setattr(Pretrainer, "prepare", stop_while_setting_up)
@@ -164,6 +166,7 @@ def test_a_stop_during_the_last_step_still_exports_and_ends_done(monkeypatch, tm
     trainer.runtime, trainer.out, trainer.resume, trainer.lora = Runtime(), tmp_path / "run", False, True
     trainer.out.mkdir()
     trainer.early_inputs, trainer.start_step, trainer.pipe, trainer.extra_metrics = iter(()), 0, None, {}
+    trainer.ema, trainer.optimizer = None, torch.optim.SGD([torch.zeros(1, requires_grad=True)])  # no EMA, plain weights
     trainer.lr_scheduler = type("Schedule", (), {"get_last_lr": lambda self: [1e-3]})()
     trainer.checkpointer = type("Checkpointer", (), {"wait": lambda self: None, "folder": tmp_path / "checkpoints"})()
     monkeypatch.setattr(Trainer, "setup", lambda self: None)
