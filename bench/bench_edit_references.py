@@ -14,48 +14,24 @@ reference. Timing as ``bench_references.py``: median time between step ends (per
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_references import PROMPT, build, reference_images, timed_call  # noqa: E402
+from bench_references import bench_parser, bench_setup, reference_images, timed_rounds  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=int, default=256, help="target and reference side in pixels")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--guidance", type=float, default=3.5, help="Krea convention; 0 = off (Turbo)")
-    parser.add_argument("--refs", type=int, nargs="+", default=[1, 3])
-    parser.add_argument("--repeats", type=int, default=2, help="best of N per setting (after one warm-up)")
-    parser.add_argument("--proportioned", action="store_true", help="bench_pipeline.py's 1/16-width proportions")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    pipe = build(args.proportioned, args.device, getattr(torch, args.dtype))
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    base = dict(prompt=PROMPT, height=args.size, width=args.size, num_inference_steps=args.steps,
-                guidance_scale=args.guidance, output_type="np")
+    args = bench_parser(__doc__.splitlines()[0], refs=[1, 3]).parse_args()
+    pipe, sync, base = bench_setup(args)
     images = reference_images(max(args.refs), args.size)
     calls = {"none": base}
     for count in args.refs:
         for attention in ("joint", "cached"):
             calls[f"{count} refs {attention}"] = dict(base, reference_images=images[:count], reference_attention=attention)
-    runs = {name: [] for name in calls}
-    with torch.inference_mode():
-        # a warm-up round, then rounds visiting every setting in turn (load drift hits all alike); best of the rounds
-        for round_index in range(args.repeats + 1):
-            for name, kwargs in calls.items():
-                result = timed_call(pipe, sync, generator=torch.Generator().manual_seed(0), **kwargs)
-                if round_index:
-                    runs[name].append(result)
+    runs = timed_rounds(pipe, sync, calls, args.repeats)
     step = {name: min(r["per_step"] for r in results) for name, results in runs.items()}
     setup = {name: min(r["setup"] for r in results) for name, results in runs.items()}
     kind = "proportioned" if args.proportioned else "tiny-random"

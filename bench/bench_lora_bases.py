@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from finetune.config import LoRAConfig  # noqa: E402
 from finetune.methods import add_lora, quantize_base  # noqa: E402
-from finetune.objective import add_noise, flow_matching_loss  # noqa: E402
+from finetune.optimization.objective import add_noise, flow_matching_loss  # noqa: E402
 from krea2_diffusers.latents import position_ids  # noqa: E402
 from krea2_diffusers.models.tiny import proportioned_transformer_config, randomize_  # noqa: E402
 from krea2_diffusers.models.transformer import Krea2Transformer2DModel  # noqa: E402

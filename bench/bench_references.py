@@ -85,33 +85,62 @@ def timed_call(pipe, sync, **kwargs) -> dict:
     return dict(total=total, per_step=per_step, setup=max(0.0, ends[0] - start - per_step), decode=total - (ends[-1] - start))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=int, default=256, help="target (and reference) side in pixels")
+def bench_parser(description: str, refs: list[int]) -> argparse.ArgumentParser:
+    """The arguments of every reference bench (this one and ``bench_edit_references.py``): target
+    size, steps, guidance, reference counts (default ``refs``), repeats, pipeline, device, dtype,
+    threads. Each bench adds its own."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--size", type=int, default=256, help="target and reference side in pixels")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--guidance", type=float, default=3.5, help="Krea convention; 0 = off (Turbo)")
-    parser.add_argument("--refs", type=int, nargs="+", default=[0, 1, 3, 10])
-    parser.add_argument("--mode", choices=("reference", "describe"), default="reference")
-    parser.add_argument("--strength", type=float, default=REFERENCE_STRENGTH,
-                        help="every reference's strength (1 = the bias-free path)")
+    parser.add_argument("--refs", type=int, nargs="+", default=refs)
     parser.add_argument("--repeats", type=int, default=2, help="best of N per setting (after one warm-up)")
-    parser.add_argument("--attention", nargs="+", choices=("joint", "cached"), default=["cached", "joint"],
-                        help="reference attention modes to time")
-    parser.add_argument("--style-resolution", type=int, default=512, help="reference budget side in px (0 = unbounded)")
-    parser.add_argument("--moodboards", type=int, nargs="*", default=[2, 16], help="moodboard sizes to time (cached)")
     parser.add_argument("--proportioned", action="store_true", help="bench_pipeline.py's 1/16-width proportions")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (tiny models on a busy CPU: 1 is steadier)")
-    args = parser.parse_args()
+    return parser
+
+
+def bench_setup(args):
+    """``(pipe, sync, base)`` for parsed :func:`bench_parser` arguments: the pipeline, the device
+    synchronisation the timings wait on, and the keyword arguments every call shares."""
     if args.threads:
         torch.set_num_threads(args.threads)
-
     pipe = build(args.proportioned, args.device, getattr(torch, args.dtype))
-    check_support(pipe)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     base = dict(prompt=PROMPT, height=args.size, width=args.size, num_inference_steps=args.steps,
                 guidance_scale=args.guidance, output_type="np")
+    return pipe, sync, base
+
+
+def timed_rounds(pipe, sync, calls: dict[str, dict], repeats: int) -> dict[str, list[dict]]:
+    """:func:`timed_call` results of every setting of ``calls`` (name -> keyword arguments), ``repeats`` each."""
+    runs = {name: [] for name in calls}
+    with torch.inference_mode():
+        # One warm-up each (and describe's cache), then rounds that visit every setting in turn, so
+        # that load drifting on a shared machine hits every setting alike; best of the rounds.
+        for round_index in range(repeats + 1):
+            for name, kwargs in calls.items():
+                result = timed_call(pipe, sync, generator=torch.Generator().manual_seed(0), **kwargs)
+                if round_index:
+                    runs[name].append(result)
+    return runs
+
+
+def main() -> None:
+    parser = bench_parser(__doc__.splitlines()[0], refs=[0, 1, 3, 10])
+    parser.add_argument("--mode", choices=("reference", "describe"), default="reference")
+    parser.add_argument("--strength", type=float, default=REFERENCE_STRENGTH,
+                        help="every reference's strength (1 = the bias-free path)")
+    parser.add_argument("--attention", nargs="+", choices=("joint", "cached"), default=["cached", "joint"],
+                        help="reference attention modes to time")
+    parser.add_argument("--style-resolution", type=int, default=512, help="reference budget side in px (0 = unbounded)")
+    parser.add_argument("--moodboards", type=int, nargs="*", default=[2, 16], help="moodboard sizes to time (cached)")
+    args = parser.parse_args()
+
+    pipe, sync, base = bench_setup(args)
+    check_support(pipe)
     images = reference_images(max(args.refs), args.size)
     kind = "proportioned" if args.proportioned else "tiny-random"
     print(f"{kind} on {args.device} ({args.dtype}, {torch.get_num_threads()} threads): {args.size}x{args.size}, "
@@ -134,15 +163,7 @@ def main() -> None:
         if extra:
             kwargs.update(style_mode=args.mode, style_resolution=budget)
         calls[name] = kwargs
-    runs = {name: [] for name in calls}
-    with torch.inference_mode():
-        # One warm-up each (and describe's cache), then rounds that visit every setting in turn, so
-        # that load drifting on a shared machine hits every setting alike; best of the rounds.
-        for round_index in range(args.repeats + 1):
-            for name, kwargs in calls.items():
-                result = timed_call(pipe, sync, generator=torch.Generator().manual_seed(0), **kwargs)
-                if round_index:
-                    runs[name].append(result)
+    runs = timed_rounds(pipe, sync, calls, args.repeats)
     baseline = None
     for name, results in runs.items():
         best = min(results, key=lambda r: r["total"])

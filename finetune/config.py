@@ -3,31 +3,34 @@
 A YAML file (plus ``key=value`` overrides) is parsed into :class:`TrainConfig`. Every section is a
 dataclass; unknown keys are rejected with the closest valid name, and values are type-checked,
 so a typo fails before any model is loaded instead of being silently ignored.
+
+The parsing itself is :mod:`finetune.config_parser`'s; the ``data`` sections live in
+:mod:`finetune.data.config` and the optimizer / schedule / objective / EMA sections in
+:mod:`finetune.optimization.config`. All of them are importable from here.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import math
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Union
+from typing import Any, ClassVar, Literal
 
 import yaml
 
+from .config_parser import ConfigError, config_from_dict, parse_override
+from .data.config import DataConfig, DatasetConfig, ReferencesConfig, StyleReferencesConfig, SyntheticDataConfig
+from .optimization.config import EMAConfig, LRSchedulerConfig, ObjectiveConfig, OptimizerConfig
 
-# What YAML 1.1 (PyYAML) reads as true / false when unquoted.
-YAML_TRUE = ("yes", "on", "true")
-YAML_FALSE = ("no", "off", "false")
-
-
-class ConfigError(ValueError):
-    """A configuration problem, reported before training starts."""
-
+__all__ = [
+    "CheckpointConfig", "ConfigError", "DataConfig", "DatasetConfig", "EMAConfig", "ExportConfig", "LoggingConfig",
+    "LoRAConfig", "LRSchedulerConfig", "ModelConfig", "ObjectiveConfig", "OptimizerConfig", "ParallelConfig",
+    "ReferencesConfig", "StyleReferencesConfig", "SyntheticDataConfig", "TrainConfig", "TrainingConfig",
+    "ValidationConfig", "WandbConfig", "build_config", "config_from_dict", "load_config",
+    "parse_override",
+]
 
 @dataclass
 class ModelConfig:
@@ -45,100 +48,6 @@ class ModelConfig:
     """LoRA only: storage of the frozen base's block matrices (fp8 per-row scaled; int8/nf4 via
     bitsandbytes). Embedders, input/output projections and the text-fusion projector stay in ``dtype``."""
     max_sequence_length: int = 512
-
-
-@dataclass
-class SyntheticDataConfig:
-    """A self-made dataset: ``num_prompts`` captions, each with its own distinct image."""
-
-    num_prompts: int = 4
-    images_per_prompt: int = 1
-    size: int = 64
-
-
-@dataclass
-class StyleReferencesConfig:
-    """Style-reference training: each sample is trained with other images of its style group
-    (never itself) as references, through the pipeline's ``style_mode="reference"`` path."""
-
-    enabled: bool = False
-    max_references: int = 2
-    """Each forward draws 1 to this many references per sample (one count for the whole forward)."""
-    attention: Literal["joint", "cached"] = "joint"
-    """``reference_attention`` of the transformer, as at inference."""
-    strength_range: list[float] = field(default_factory=lambda: [0.3, 1.0])
-    """Strengths drawn uniformly from [low, high], applied as the pipeline's log(s) attention bias."""
-    resolution: int | None = 512
-    """The pipeline's ``style_resolution``: all references share min(target area, resolution^2)."""
-
-
-@dataclass
-class DatasetConfig:
-    """One entry of ``data.datasets``: its own repeats, buckets and caption rules
-    (:mod:`finetune.data.datasets`, :mod:`finetune.data.captions`)."""
-
-    path: str = ""
-    """Folder of images with same-name ``.txt`` captions, or a ``.jsonl`` / ``.parquet`` manifest."""
-    repeats: int = 1
-    resolution: int | None = None
-    """Its own buckets of about ``resolution**2`` pixels (default: ``data.resolution``)."""
-    caption_prefix: str = ""
-    """Put in front of every caption (a trigger word), joined with ", " and never shuffled."""
-    shuffle_tags: bool = False
-    """Shuffle the comma-separated tags of each caption, a new order per epoch (seeded)."""
-    keep_tags: int = 0
-    """With ``shuffle_tags``: the first ``keep_tags`` tags stay in place."""
-    caption_dropout: float | None = None
-    """Probability of training a sample of this dataset with the empty prompt (default: ``data.caption_dropout``)."""
-    is_regularization: bool = False
-    """Prior-preservation images: their loss is weighted by ``training.prior_loss_weight``."""
-
-
-@dataclass
-class ReferencesConfig:
-    """Paired (edit / reference) training: each target image comes with 1 to ``max_references``
-    reference images (``targets/NAME.png`` + ``references/NAME[_k].png``, or a manifest's
-    ``references`` field; see :mod:`finetune.data.pairs`). The loss is on the target's tokens only."""
-
-    max_references: int = 3
-    """A sample with more references is refused before training."""
-    max_pixels: int = 1048576
-    """Each reference's latents keep its own aspect at min(its area, this) pixels (multiples of 16)."""
-    vision_tokens: bool = True
-    """The references enter the Qwen3-VL prompt as vision tokens (before the instruction)."""
-    latents: bool = True
-    """Their clean VAE latents follow the target's tokens at RoPE (k, i, j), modulated as timestep 0."""
-
-
-@dataclass
-class DataConfig:
-    path: str | None = None
-    """Folder of images with same-name ``.txt`` captions, or a ``.jsonl`` / ``.parquet`` manifest."""
-    datasets: list[DatasetConfig] = field(default_factory=list)
-    """Several datasets in one run, instead of ``path`` (exactly one of the two)."""
-    masks: bool | str = False
-    """Loss masks (:mod:`finetune.data.masks`): ``true``: ``NAME.mask.png`` beside each image; a folder:
-    ``FOLDER/NAME.png``. White trains, black is ignored, grey weighs in between (alpha, when the mask
-    has one, instead of the grey level); a sample without a mask trains everywhere."""
-    synthetic: SyntheticDataConfig | None = None
-    """Generate a synthetic dataset into ``path`` (or ``<output_dir>/synthetic_data``) instead."""
-    resolution: int = 1024
-    """Buckets hold about ``resolution**2`` pixels."""
-    bucket_step: int = 16
-    min_aspect_ratio: float = 0.5
-    max_aspect_ratio: float = 2.0
-    caption_dropout: float = 0.05
-    """Probability of training a sample with the empty prompt (needed for CFG at inference)."""
-    repeats: int = 1
-    cache_dir: str | None = None
-    """Latent / text cache; defaults to ``<output_dir>/cache``. Reused across runs by content hash."""
-    shuffle: bool = True
-    num_workers: int = 2
-    """DataLoader worker processes reading the cache ahead of training (0: in the training process)."""
-    prefetch_factor: int = 2
-    style_references: StyleReferencesConfig = field(default_factory=StyleReferencesConfig)
-    references: ReferencesConfig | None = None
-    """Set for paired samples (edit / reference LoRAs): a target and its reference images."""
 
 
 @dataclass
@@ -167,69 +76,6 @@ class LoRAConfig:
     train_text_fusion: bool = False
     use_dora: bool = False
     """``lora`` only."""
-
-
-@dataclass
-class OptimizerConfig:
-    name: Literal["adamw", "adamw8bit", "prodigy", "adafactor", "adamw_schedulefree"] = "adamw"
-    """``prodigy`` (prodigyopt; ``learning_rate`` scales its own step-size estimate: use 1.0),
-    ``adafactor`` (``torch.optim.Adafactor``: ``learning_rate`` and ``weight_decay``, torch's
-    defaults for the rest), ``adamw_schedulefree`` (schedulefree; ``lr_scheduler.name`` constant,
-    its warmup kept; validation, checkpoints and exports hold its averaged eval-mode weights).
-    See :mod:`finetune.optim`."""
-    learning_rate: float = 1e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    weight_decay: float = 0.0
-    eps: float = 1e-8
-    max_grad_norm: float | None = 1.0
-    d_coef: float = 1.0
-    """``prodigy`` only: multiplies its step-size estimate (below 1 for a gentler run)."""
-
-
-@dataclass
-class LRSchedulerConfig:
-    name: Literal["constant", "cosine", "wsd"] = "constant"
-    warmup_steps: int = 0
-    decay_fraction: float = 0.2
-    """``wsd`` only: fraction of the run spent decaying to ``min_lr_ratio``."""
-    min_lr_ratio: float = 0.0
-    """``cosine`` / ``wsd``: the rate where the schedule ends, after the last update (every update
-    runs above it; see :func:`finetune.optim.lr_multiplier`)."""
-
-
-@dataclass
-class ObjectiveConfig:
-    timestep_sampling: Literal["logit_normal", "uniform", "sigmoid", "mode", "beta"] = "logit_normal"
-    """Before the shift (formulas in :mod:`finetune.timesteps`): ``logit_normal``
-    sigmoid(logit_mean + logit_std N(0, 1)); ``uniform`` U(0, 1); ``sigmoid`` sigmoid(sigmoid_scale
-    N(0, 1)); ``mode`` SD3's mode sampling with ``mode_scale``; ``beta`` Beta(beta_alpha, beta_beta)."""
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
-    sigmoid_scale: float = 1.0
-    mode_scale: float = 1.29
-    """In [-1, 2 / (pi - 2)] (= 1.752), where SD3's mode map stays monotone in [0, 1]; 0 is uniform."""
-    beta_alpha: float = 2.0
-    beta_beta: float = 2.0
-    shift: Literal["resolution", "fixed", "none"] = "resolution"
-    """``resolution``: mu linear from 0.5 at 256 image tokens to 1.15 at 6400; ``fixed``: ``shift_mu``."""
-    shift_mu: float = 1.15
-    loss_weighting: Literal["none", "cosmap", "sigma_sqrt"] = "none"
-
-
-@dataclass
-class EMAConfig:
-    """An exponential moving average of the trainable parameters (:mod:`finetune.ema`)."""
-
-    decay: float = 0.999
-    """Per update: ``ema = decay * ema + (1 - decay) * weights``."""
-    every_n_steps: int = 1
-    """Update after every N-th optimizer step (the decay applies per update)."""
-    on_cpu: bool = False
-    """Keep the average in host memory (frees accelerator memory; each update copies the weights out)."""
-    export: Literal["ema", "raw", "both"] = "ema"
-    """What the run exports: the average (``ema``), the trained weights (``raw``), or both (the
-    average in the usual files, the trained weights in ``<output_dir>/raw/``). Validation samples
-    the average either way."""
 
 
 @dataclass
@@ -396,7 +242,7 @@ class TrainConfig:
 
     def _validate_training_options(self) -> None:
         """EMA, optimizer, timestep sampler and W&B values (packages are checked by the trainer,
-        still before any model loads: :func:`finetune.optim.check_optimizer_package`)."""
+        still before any model loads: :func:`finetune.optimization.optim.check_optimizer_package`)."""
         ema, optimizer, objective = self.training.ema, self.optimizer, self.objective
         if ema is not None:
             if not 0.0 < ema.decay < 1.0:
@@ -506,105 +352,6 @@ class TrainConfig:
         for size_name in ("height", "width"):
             if getattr(self.validation, size_name) % 16:
                 raise ConfigError(f"validation.{size_name} must be a multiple of 16")
-
-
-# ----------------------------------------------------------------------------------------------
-# Parsing
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, where)
-            except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError(errors[0] if errors else f"{where}: invalid value {value!r}")
-    if origin is Literal:
-        if isinstance(value, bool) and value not in args:
-            # YAML 1.1 reads an unquoted no / off (yes / on) as false (true): `mixed_precision: no`
-            # means the choice spelled that way.
-            spelled = [a for a in args if isinstance(a, str) and a.lower() in (YAML_TRUE if value else YAML_FALSE)]
-            value = spelled[0] if len(spelled) == 1 else value
-        if value not in args:
-            hint = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
-            more = f"; did you mean {hint[0]!r}?" if hint else ""
-            raise ConfigError(f"{where}: {value!r} is not one of {list(args)}{more}")
-        return value
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return {_coerce(k, args[0], where): _coerce(v, args[1], f"{where}.{k}") for k, v in value.items()}
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        return [_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return config_from_dict(tp, value, where)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true/false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            # YAML reads "1e-4" (no dot) as a string; accept numeric strings for floats.
-            try:
-                return float(value)
-            except (TypeError, ValueError):
-                raise ConfigError(f"{where}: expected a number, got {value!r}") from None
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return value
-    raise ConfigError(f"{where}: unsupported type {_type_name(tp)}")
-
-
-def config_from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        where = f"{prefix}.{key}" if prefix else str(key)
-        if key not in names:
-            hint = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
-            more = f"; did you mean '{prefix + '.' if prefix else ''}{hint[0]}'?" if hint else ""
-            raise ConfigError(f"unknown config key '{where}'{more} (valid here: {', '.join(names)})")
-        kwargs[key] = _coerce(value, hints[key], where)
-    return cls(**kwargs)
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """``"optimizer.learning_rate=3e-4"`` -> (["optimizer", "learning_rate"], 3e-4); the value is YAML."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} must look like key=value (e.g. training.max_steps=500)")
-    key, raw = text.split("=", 1)
-    value = yaml.safe_load(raw) if raw.strip() else ""
-    if isinstance(value, str):
-        try:  # YAML 1.1 reads "3e-4" (no dot) as a string
-            value = float(value) if any(c.isdigit() for c in value) and value.strip() == raw.strip() else value
-        except ValueError:
-            pass
-    return key.strip().split("."), value
 
 
 def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from krea2_diffusers.pipelines.host_memory import HostPlan
 from .engine.plan import (RUNTIME_OVERHEAD, MemoryPlan, activation_bytes, measure_activations, quantized_linear_bytes,
                           tensor_bytes)
 from .methods import ADAPTER_NAME, add_lora, quantize_base
-from .optim import state_bytes
+from .optimization.optim import state_bytes
 
 LOG_NAME = "dry-run.log"
 ADAPTER_KINDS = {"lora": "LoRA", "lokr": "LoKr", "loha": "LoHa"}

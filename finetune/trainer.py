@@ -25,8 +25,8 @@ from .engine.parallel import full_state_dict, no_sync, trainable_state, unwrap, 
 from .engine.runtime import setup_runtime
 from .metrics import MetricsLogger, check_wandb
 from .methods import add_lora, check_quantize, quantize_base, trainable_parameter_count
-from .objective import add_noise, flow_matching_loss
-from .optim import check_optimizer_package, eval_weights, has_eval_weights, make_lr_scheduler, make_optimizer
+from .optimization.objective import add_noise, flow_matching_loss
+from .optimization.optim import check_optimizer_package, eval_weights, has_eval_weights, make_lr_scheduler, make_optimizer
 from .rundir import RunDirectoryError, check_output_dir, config_fingerprint
 from .stop import StopRequest
 
@@ -133,7 +133,7 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, config.optimizer)
         if config.training.ema is not None:
-            from .ema import EMA
+            from .optimization.ema import EMA
 
             self.ema = EMA(trainable_state(self.model), config.training.ema)
         self.lr_scheduler = make_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.max_steps)
@@ -336,12 +336,10 @@ class Trainer:
 
     # ---------------------------------------------------------------- the loop
     def _dataset(self) -> CachedFeatures:
-        config = self.config
-        rules = getattr(self, "sample_rules", None)  # per-dataset caption dropout, loss weights, masks
+        config, rules = self.config, self.sample_rules  # per-dataset caption dropout and loss weights
         return CachedFeatures(self.cache, self._batches(), self.global_batch, config.training.seed,
-                              rules.caption_dropout if rules else config.data.caption_dropout, config.objective,
-                              getattr(self, "references", None), sample_weights=rules.sample_weights if rules else None,
-                              masked=bool(config.data.masks))
+                              rules.caption_dropout, config.objective, self.references,
+                              sample_weights=rules.sample_weights, masked=bool(config.data.masks))
 
     def step_inputs(self):
         """What ``train_step`` draws its inputs from, from the resumed step on (the engine's DataLoader)."""

@@ -22,6 +22,21 @@ from krea2_diffusers.models.tiny import randomize_
 os.environ.setdefault("KREA2_CPU_BF16", "0")
 
 
+# The files whose tests take longest (CI's --durations), run first: with two pytest-xdist workers
+# (--dist loadfile) a long file handed out last keeps one worker busy while the other idles; longest
+# first leaves short files for the end (longest-processing-time scheduling). Order only: nothing is skipped.
+SLOW_FIRST = (
+    "test_proving_ground.py", "test_finetune_scale.py", "test_finetune_distributed.py", "test_posttrain_distill.py",
+    "test_posttrain_scale.py", "test_examples.py", "test_posttrain_dpo.py", "test_finetune_pairs.py",
+    "test_posttrain_distributed.py", "test_pretrain_distributed.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: file order kept otherwise
+
+
 def small_config(**overrides) -> dict:
     """A transformer config small enough for float64 parity tests, with GQA (4 query / 2 kv heads)."""
     config = dict(

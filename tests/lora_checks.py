@@ -29,7 +29,7 @@ def comfy_model_config(text_hidden_dim: int | None = None) -> dict:
 def fixed_batch_loss(pipe, trainer, lora_file: Path | None) -> float:
     """Flow-matching loss of a plain pipeline (optionally with a LoRA file loaded) on fixed noise
     and times over the trainer's first two forward batches: measured outside the trainer."""
-    from finetune.objective import add_noise, flow_matching_loss
+    from finetune.optimization.objective import add_noise, flow_matching_loss
 
     if lora_file is not None:
         pipe.load_lora_weights(lora_file, adapter_name="trained")

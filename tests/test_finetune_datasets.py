@@ -24,7 +24,7 @@ from finetune.data.captions import caption_variants, shuffled, with_prefix
 from finetune.data.dataset import Sample
 from finetune.data.masks import attach_masks, mask_grid, packed_mask, read_mask
 from finetune.data.encoding import pack_latents
-from finetune.objective import flow_matching_loss
+from finetune.optimization.objective import flow_matching_loss
 from finetune.trainer import Trainer
 from krea2_diffusers.files import save_safetensors
 from krea2_diffusers.loaders.lora import delete_lora

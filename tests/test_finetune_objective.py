@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from finetune.config import LRSchedulerConfig, ObjectiveConfig
-from finetune.objective import add_noise, flow_matching_loss, loss_weights, sample_timesteps
-from finetune.optim import lr_multiplier
+from finetune.optimization.objective import add_noise, flow_matching_loss, loss_weights, sample_timesteps
+from finetune.optimization.optim import lr_multiplier
 from krea2_diffusers.sampling import compute_mu, time_shift
 
 
@@ -41,7 +41,7 @@ def test_velocity_target_is_noise_minus_data():
     assert float(loss_weights(torch.tensor([0.5]), "cosmap")) == pytest.approx(2 / (math.pi * 0.5))
 
 
-# The schedules follow torchtitan's linear_warmup_stable_decay (finetune/optim.py): decay step i
+# The schedules follow torchtitan's linear_warmup_stable_decay (finetune/optimization/optim.py): decay step i
 # (1-based) of decay_steps is at progress p = i / (decay_steps + 1), the floor at p = 1, which is
 # step max_steps, after the last update. The expected values below are that formula written out
 # independently (cos form; the code uses the equal sin^2 form): they agree to a few ulps, far
@@ -106,7 +106,7 @@ def test_the_optimizer_sees_the_schedule_and_a_resumed_scheduler_continues_it():
     import json
 
     from finetune.config import OptimizerConfig
-    from finetune.optim import make_lr_scheduler, make_optimizer
+    from finetune.optimization.optim import make_lr_scheduler, make_optimizer
 
     config = LRSchedulerConfig(name="wsd", warmup_steps=2, decay_fraction=0.5, min_lr_ratio=0.0)
 

@@ -32,7 +32,7 @@ from finetune.engine.checkpoint import latest_checkpoint
 from finetune.engine.parallel import trainable_state
 from finetune.export.writer import model_tensors, read_model_tensors
 from finetune.metrics import read_metrics
-from finetune.optim import state_bytes
+from finetune.optimization.optim import state_bytes
 from finetune.trainer import Trainer
 from lora_checks import DiedAfterStep, dying_metrics_logger, fixed_batch_loss
 
@@ -259,7 +259,7 @@ def test_wandb_offline_holds_the_runs_scalars(runs):
 
 
 def test_bad_options_are_refused_before_anything_loads(tmp_path, monkeypatch, no_model_loading):
-    import finetune.optim
+    import finetune.optimization.optim
 
     base = run_config(tmp_path, "adafactor")
     base["training"].pop("ema")
@@ -267,8 +267,8 @@ def test_bad_options_are_refused_before_anything_loads(tmp_path, monkeypatch, no
     def refused(overrides: list[str], match: str, missing: str | None = None) -> None:
         with monkeypatch.context() as patch:
             if missing:
-                real = finetune.optim.importlib.util.find_spec
-                patch.setattr(finetune.optim.importlib.util, "find_spec", lambda n, *a: None if n == missing else real(n, *a))
+                real = finetune.optimization.optim.importlib.util.find_spec
+                patch.setattr(finetune.optimization.optim.importlib.util, "find_spec", lambda n, *a: None if n == missing else real(n, *a))
             with pytest.raises(ConfigError, match=match):
                 Trainer(build_config(base, overrides)).train()
 

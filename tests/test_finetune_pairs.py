@@ -31,7 +31,7 @@ from lora_checks import with_overrides
 from finetune.data import DatasetError
 from finetune.engine.checkpoint import checkpoint_name
 from finetune.data.synthetic_pairs import GREY, INSTRUCTION, RED, layouts, make_edit_pairs, pair_images
-from finetune.objective import flow_matching_loss
+from finetune.optimization.objective import flow_matching_loss
 from finetune.trainer import Trainer
 from krea2_diffusers import Krea2Pipeline
 from krea2_diffusers.conditioning.reference_images import VISION_MAX_PIXELS

@@ -11,7 +11,7 @@ import torch
 from scipy import stats
 
 from finetune.config import ObjectiveConfig
-from finetune.timesteps import SAMPLERS, sample_timesteps
+from finetune.optimization.timesteps import SAMPLERS, sample_timesteps
 
 DRAWS = 20_000
 # 20,000 draws: the right law passes at the 1% level, a nearby one fails far below it.

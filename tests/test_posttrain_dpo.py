@@ -14,7 +14,7 @@ import torch
 
 import finetune.data.encoding
 from finetune.config import build_config
-from finetune.objective import add_noise
+from finetune.optimization.objective import add_noise
 from finetune.posttrain.config import PosttrainConfig
 from finetune.posttrain.pairs import scan_pairs
 from finetune.posttrain.run import posttrain

@@ -17,7 +17,7 @@ from finetune.config import ConfigError, build_config
 from finetune.data import DatasetError
 from finetune.posttrain.config import PosttrainConfig, PromptPoolConfig, RewardConfig
 from finetune.posttrain.dpo import PairLosses, dpo_loss, implicit_reward_margin
-from finetune.posttrain.grpo import clipped_policy_loss, gaussian_step_kl
+from finetune.posttrain.grpo import clipped_policy_loss, exploring_steps, gaussian_step_kl
 from finetune.posttrain.pairs import make_synthetic_pairs, scan_pairs
 from finetune.posttrain.prompt_pool import PoolLog, PromptPool
 from finetune.posttrain.rewards import RewardError, group_advantages, load_rewards, score
@@ -86,6 +86,14 @@ def test_clipped_policy_loss_and_gaussian_kl():
     assert clipped.tolist() == [True, True, False]
     mean, ref = torch.ones(2, 3, 4), torch.zeros(2, 3, 4)
     torch.testing.assert_close(gaussian_step_kl(mean, ref, 0.5), torch.full((2,), 1 / (2 * 0.25)))
+
+
+def test_grpo_exploring_window_is_random_or_pinned_to_its_start():
+    starts = {exploring_steps(10, 3, None, torch.Generator().manual_seed(s))[0] for s in range(200)}
+    assert starts == set(range(8)), "a random window may start at any step that leaves it whole"
+    assert exploring_steps(10, 3, 0, torch.Generator()) == [0, 1, 2]
+    assert exploring_steps(10, 3, 7, torch.Generator()) == [7, 8, 9]
+    assert exploring_steps(6, None, None, torch.Generator()) == list(range(6))
 
 
 def test_dmd_student_loss_gradient_is_the_normalised_score_difference():
@@ -200,6 +208,11 @@ def test_the_pinned_configs_are_valid_as_written():
         "draft", 6, 1, False, 0.0, 64, "my_reward:reward", 40)
     with pytest.raises(ConfigError, match="did you mean 'dpo.sft_weight'"):
         build_config({**common, "dpo": {"data": "p.jsonl", "sft_wieght": 1.0}}, cls=PosttrainConfig)
+    grpo_section = {"prompts": ["a"], "num_inference_steps": 10, "sde_steps": 3, "rewards": [{"function": "m:f"}]}
+    with pytest.raises(ConfigError, match=r"grpo.sde_window_start must be in \[0, num_inference_steps - sde_steps\] = \[0, 7\], got 8"):
+        build_config({**others, "method": "grpo", "grpo": {**grpo_section, "sde_window_start": 8}}, cls=PosttrainConfig)
+    assert build_config({**others, "method": "grpo", "grpo": {**grpo_section, "sde_window_start": 7}},
+                        cls=PosttrainConfig).grpo.sde_window_start == 7
     with pytest.raises(ConfigError, match="group_size must be at least 2"):
         build_config({**others, "method": "grpo", "grpo": {"prompts": ["a"], "group_size": 1, "rewards": [{"function": "m:f"}]}},
                      cls=PosttrainConfig)

@@ -1,7 +1,6 @@
 """The pretraining recipe's pieces against independent references: Muon (torch's, and gathered
 under FSDP2), the AdamW/Muon split, per-stage timestep shift, scratch init, captions, decode failures."""
 
-import math
 from pathlib import Path
 
 import pyarrow as pa
@@ -10,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from finetune.objective import sample_timesteps
+from finetune.optimization.objective import sample_timesteps
 from finetune.packs import PackReader, PackRecord, write_pack
 from finetune.pretrain.architecture import build_transformer
 from finetune.pretrain.batches import StageBatches, StepData, choose_caption
@@ -179,12 +178,12 @@ def _png(i):
 
 
 def test_wsd_schedule_per_stage():
-    from finetune.optim import lr_multiplier
+    from finetune.optimization.optim import lr_multiplier
 
     stage = build_pretrain_config({"stages": [{"name": "a", "data": "p", "steps": 10,
                                                "lr_scheduler": {"warmup_steps": 2, "decay_fraction": 0.5}}]}).stages[0]
     values = [lr_multiplier(k, stage.lr_scheduler, stage.steps) for k in range(11)]
-    # 5 decay steps at 1 - i / 6 (torchtitan's progress, finetune/optim.py): the stage's last update
+    # 5 decay steps at 1 - i / 6 (torchtitan's progress, finetune/optimization/optim.py): the stage's last update
     # still moves (1/6), the floor 0 is where the stage ends (step 10, after its last update).
     assert values == pytest.approx([0.5, 1, 1, 1, 1, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6, 0.0])
     assert values[4] == 1.0 and values[9] > 0 and values[10] == 0.0

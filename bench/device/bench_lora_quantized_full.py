@@ -35,7 +35,7 @@ from full_size_models import streamed_transformer  # noqa: E402
 from finetune.config import LoRAConfig, OptimizerConfig, build_config  # noqa: E402
 from finetune.engine.parallel import wrap_model  # noqa: E402
 from finetune.methods import add_lora, quantize_base  # noqa: E402
-from finetune.optim import make_optimizer  # noqa: E402
+from finetune.optimization.optim import make_optimizer  # noqa: E402
 
 VARIANTS = {"fp8": ("fp8", 0), "fp8-swap14": ("fp8", 14), "nf4": ("nf4", 0), "nf4-swap14": ("nf4", 14)}
 GIB = 1024**3

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train_full import FULL_CONFIG, GIB, TINY_CONFIG, build_model  # noqa: E402
 from finetune.config import LoRAConfig, OptimizerConfig  # noqa: E402
 from finetune.methods import add_lora  # noqa: E402
-from finetune.optim import make_optimizer  # noqa: E402
+from finetune.optimization.optim import make_optimizer  # noqa: E402
 from finetune.posttrain.grpo import clipped_policy_loss, gaussian_step_kl  # noqa: E402
 from finetune.posttrain.reference import Reference  # noqa: E402
 from finetune.posttrain.rewards import group_advantages  # noqa: E402

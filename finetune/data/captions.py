@@ -17,7 +17,7 @@ import hashlib
 import random
 from typing import Sequence
 
-from ..config import DatasetConfig
+from .config import DatasetConfig
 from .dataset import Sample
 
 MAX_TAG_ORDERS = 16

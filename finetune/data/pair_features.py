@@ -32,7 +32,7 @@ from krea2_diffusers.conditioning.references import encode_prompt_with_images, o
 from krea2_diffusers.conditioning.style import reference_layout
 from krea2_diffusers.files import save_safetensors
 
-from ..config import ReferencesConfig
+from .config import ReferencesConfig
 from .cache import LATENT_FORMAT_VERSION, TrainingCache, content_hash, module_fingerprint
 from .dataset import Sample
 from .pairs import reference_sizes

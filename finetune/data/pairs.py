@@ -31,7 +31,7 @@ from PIL import Image
 
 from krea2_diffusers.conditioning.reference_images import edit_reference_size
 
-from ..config import ReferencesConfig
+from .config import ReferencesConfig
 from .dataset import IMAGE_EXTENSIONS, DatasetError, DatasetScan, Sample, scan_dataset, scan_folder
 
 TARGETS, REFERENCES = "targets", "references"

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from krea2_diffusers.latents import PIXELS_PER_TOKEN
 from krea2_diffusers.conditioning.style import reference_area, reference_layout, reference_size, strength_bias
 
-from ..config import StyleReferencesConfig
+from .config import StyleReferencesConfig
 from .dataset import DatasetError, Sample
 
 # Latent cells per pixel side (the VAE's downsampling).

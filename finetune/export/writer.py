@@ -37,7 +37,7 @@ GROUP_BYTES = 1 << 30
 def model_tensors(path: Path, prefix: str = "", section: str = "model") -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """Model tensors of a DCP checkpoint (by parameter name) with their dtype and global shape;
     ``prefix``: only the names under it (e.g. a distillation's ``student.``), without it.
-    ``section``: ``model`` (the trained weights) or ``ema`` (their average, :mod:`finetune.ema`)."""
+    ``section``: ``model`` (the trained weights) or ``ema`` (their average, :mod:`finetune.optimization.ema`)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 

@@ -88,7 +88,11 @@ class GRPOConfig(PromptSource):
     noise_level: float = 0.7
     """SDE diffusion ``a`` in ``s_t = a sqrt(t / (1 - t))`` (marginals unchanged)."""
     sde_steps: int | None = None
-    """Steps that explore (SDE) and are trained, a random window per step; the rest follow the ODE. None = all."""
+    """Steps that explore (SDE) and are trained, a window of them per step; the rest follow the ODE. None = all."""
+    sde_window_start: int | None = None
+    """First step of that window: None = a random window each step (Flow-GRPO-Fast); 0 = always the
+    first steps, where the high-noise steps decide the layout and the subject (the rewards that judge
+    those gain most there: see finetune/POSTTRAIN.md)."""
     clip_range: float = 1e-4
     """PPO clip on the per-step likelihood ratio (per-element mean log-probs, Flow-GRPO's scale)."""
     kl_weight: float = 0.04
@@ -202,6 +206,10 @@ class PosttrainConfig(TrainConfig):
                 raise ConfigError(f"grpo.group_size must be at least 2 (advantages compare samples), got {section.group_size}")
             if section.sde_steps is not None and not 1 <= section.sde_steps <= section.num_inference_steps:
                 raise ConfigError(f"grpo.sde_steps must be in [1, num_inference_steps], got {section.sde_steps}")
+            window = section.sde_steps or section.num_inference_steps
+            if section.sde_window_start is not None and not 0 <= section.sde_window_start <= section.num_inference_steps - window:
+                raise ConfigError(f"grpo.sde_window_start must be in [0, num_inference_steps - sde_steps] = "
+                                  f"[0, {section.num_inference_steps - window}], got {section.sde_window_start}")
         if name == "distill":
             if section.student_steps < 1 or section.teacher_steps < 1:
                 raise ConfigError("distill.student_steps and distill.teacher_steps must be positive")

@@ -44,6 +44,15 @@ def clipped_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, ad
     return torch.maximum(unclipped, clipped), (ratio - 1.0).abs() > clip_range
 
 
+def exploring_steps(steps: int, window: int | None, start: int | None, generator: torch.Generator) -> list[int]:
+    """Indices of the sampler steps that explore (SDE) and are trained: ``window`` consecutive steps
+    (None = all ``steps``) from ``start``, or from a start drawn from ``generator`` when ``start`` is None."""
+    window = window or steps
+    if start is None:
+        start = int(torch.randint(0, steps - window + 1, (1,), generator=generator))
+    return list(range(start, start + window))
+
+
 def gaussian_step_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: float) -> torch.Tensor:
     """(B,) KL between N(mean, s^2) and N(ref_mean, s^2) per element, averaged over (N, C)."""
     return ((mean.float() - ref_mean.float()) ** 2).flatten(1).mean(1) / (2 * std**2)
@@ -90,10 +99,7 @@ class GRPOTrainer(PosttrainTrainer):
         global_ids = self.pool.sample(self.global_batch.micro_batch, generator)
         mine = slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
         prompt_ids = global_ids[mine]
-        steps = len(self.times) - 1
-        window = section.sde_steps or steps
-        start = int(torch.randint(0, steps - window + 1, (1,), generator=generator))
-        explore = list(range(start, start + window))
+        explore = exploring_steps(len(self.times) - 1, section.sde_steps, section.sde_window_start, generator)
         channels = self.pipe.transformer.config.in_channels
         noise = initial_noise(len(global_ids) * group, channels, self.size, self.size, generator)
         rows = slice(runtime.rank * per_rank * group, (runtime.rank + 1) * per_rank * group)

@@ -48,7 +48,7 @@ from krea2_diffusers.presets import DISTILLED_METADATA_KEY, STEPS_METADATA_KEY
 
 from ..methods import ADAPTER_NAME, add_lora
 from ..engine.parallel import full_state_dict, unwrap
-from ..objective import add_noise, flow_matching_loss
+from ..optimization.objective import add_noise, flow_matching_loss
 from ..trainer import NonFiniteLossError
 from .rollout import initial_noise, text_inputs, text_positions, velocity
 from .trainer import PosttrainTrainer

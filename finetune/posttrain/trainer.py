@@ -23,7 +23,7 @@ from ..dryrun import ModelCopies
 from ..engine.loader import step_generator, step_layout
 from ..engine.parallel import unwrap, wrap_model
 from ..methods import add_lora, quantize_base, trainable_parameter_count
-from ..optim import make_lr_scheduler, make_optimizer
+from ..optimization.optim import make_lr_scheduler, make_optimizer
 from ..rundir import check_output_dir
 from ..trainer import Trainer
 from .config import PosttrainConfig

@@ -23,8 +23,8 @@ from ..engine.checkpoint import Checkpointer, clean_staging, latest_checkpoint, 
 from ..config import ConfigError
 from ..engine.parallel import fully_shard_blocks, prepare_blocks
 from ..metrics import MetricsLogger, check_wandb
-from ..objective import add_noise, flow_matching_loss
-from ..optim import lr_multiplier
+from ..optimization.objective import add_noise, flow_matching_loss
+from ..optimization.optim import lr_multiplier
 from ..rundir import RunDirectoryError, config_changes, config_fingerprint
 from ..stop import StopRequest
 from ..trainer import NonFiniteLossError

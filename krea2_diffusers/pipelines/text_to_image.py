@@ -21,12 +21,13 @@ from diffusers.utils.torch_utils import randn_tensor
 from .. import sampling
 from ..conditioning.reference_images import DEFAULT_REFERENCE_MAX_PIXELS, check_reference_images
 from ..conditioning.style import DEFAULT_STYLE_RESOLUTION, STYLE_MODES
-from ..conditioning.text import DEFAULT_MAX_SEQUENCE_LENGTH, TAPPED_LAYERS, encode_prompts, pad_conditioning
+from ..conditioning.text import DEFAULT_MAX_SEQUENCE_LENGTH, TAPPED_LAYERS, encode_prompts
 from ..latents import PATCH_SIZE, PIXELS_PER_TOKEN, decode_latents, pack_latents, position_ids, round_to_multiple, unpack_latents
 from ..models.tiny import TINY_LABEL, is_tiny, tiny_components
 from ..models.transformer import Krea2Transformer2DModel
 from ..models.vae import enable_single_frame_convs
 from ..presets import check_reference_options, preset_for
+from .prompt_inputs import prompt_list, prompt_rows, reference_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -201,30 +202,7 @@ class Krea2Pipeline(DiffusionPipeline):
             prompt_embeds_mask = prompt_embeds_mask.repeat_interleave(num_images_per_prompt, dim=0)
         return prompt_embeds, prompt_embeds_mask.bool()
 
-    def _encode_both(self, prompts, negatives, max_sequence_length, device):
-        """Encode positive and negative prompts in one encoder call; returns ((e, m), (ne, nm) | None)."""
-        texts = prompts + (negatives or [])
-        embeds, mask = self.encode_prompt(texts, device=device, max_sequence_length=max_sequence_length)
-        n = len(prompts)
-        if not negatives:
-            return (embeds, mask), None
-        return (embeds[:n], mask[:n]), (embeds[n:], mask[n:])
-
     # ------------------------------------------------------------------ checks
-    @staticmethod
-    def _as_list(value, name: str, batch: int | None = None) -> list[str] | None:
-        if value is None:
-            return None
-        values = [value] if isinstance(value, str) else value
-        if not isinstance(values, (list, tuple)) or not all(isinstance(v, str) for v in values) or not values:
-            raise ValueError(f"{name} must be a string or a non-empty list of strings, got {value!r}")
-        values = list(values)
-        if batch is not None and len(values) != batch:
-            if len(values) == 1:
-                return values * batch
-            raise ValueError(f"{name} has {len(values)} entries but there are {batch} prompts")
-        return values
-
     @staticmethod
     def _check_size(height, width) -> tuple[int, int]:
         for name, value in (("height", height), ("width", width)):
@@ -351,34 +329,24 @@ class Krea2Pipeline(DiffusionPipeline):
         do_cfg = guidance > 0
 
         # 1. Text (optionally expanded) and style references.
-        prompts = self._as_list(prompt, "prompt")
+        prompts = prompt_list(prompt, "prompt")
         expanded = None
         if creativity is not None:
             if prompts is None:
                 raise ValueError("creativity needs `prompt` text, not prompt_embeds")
             prompts = expanded = self.expand_prompt(prompts, creativity=creativity, seed=expansion_seed)
         batch = len(prompts) if prompts is not None else prompt_embeds.shape[0]
-        negatives = self._as_list(negative_prompt if negative_prompt is not None else "", "negative_prompt", batch) if do_cfg else None
+        negatives = prompt_list(negative_prompt if negative_prompt is not None else "", "negative_prompt", batch) if do_cfg else None
         style = self._style_batch(prompts, negatives, style_images, style_strengths, style_mode, style_moodboard,
                                   height, width, max_sequence_length, device, style_resolution, references)
-        if style is not None:
-            embeds, mask = style.embeds[:batch], style.mask[:batch]
-            neg = (style.embeds[batch:], style.mask[batch:]) if do_cfg else None
-        elif prompt_embeds is None and (negative_prompt_embeds is None or not do_cfg):
-            (embeds, mask), neg = self._encode_both(prompts, negatives, max_sequence_length, device)
-        else:
-            embeds, mask = self.encode_prompt(prompts, device, 1, prompt_embeds, prompt_embeds_mask, max_sequence_length)
-            neg = None
-            if do_cfg:
-                neg = self.encode_prompt(negatives, device, 1, negative_prompt_embeds, negative_prompt_embeds_mask, max_sequence_length)
         n = num_images_per_prompt
-        embeds, mask = embeds.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
+        text = prompt_rows(self, prompts, negatives, style, batch=batch, num_images_per_prompt=n, do_cfg=do_cfg,
+                           prompt_embeds=prompt_embeds, prompt_embeds_mask=prompt_embeds_mask,
+                           negative_prompt_embeds=negative_prompt_embeds,
+                           negative_prompt_embeds_mask=negative_prompt_embeds_mask,
+                           max_sequence_length=max_sequence_length, device=device)
+        embeds, all_embeds, all_mask = text.embeds, text.all_embeds, text.all_mask
         total = batch * n
-        if do_cfg:
-            neg_embeds, neg_mask = neg[0].repeat_interleave(n, 0), neg[1].repeat_interleave(n, 0)
-            all_embeds, all_mask = pad_conditioning([embeds, neg_embeds], [mask, neg_mask])
-        else:
-            all_embeds, all_mask = embeds, mask
 
         # 2. Noise, positions, schedule.
         grid_h, grid_w = height // PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN
@@ -389,14 +357,7 @@ class Krea2Pipeline(DiffusionPipeline):
             raise ValueError(f"latents must be packed as {(total, grid_h * grid_w, self.transformer.config.in_channels)}, got {tuple(latents.shape)}")
         latents = latents.to(device=device, dtype=torch.float32)
         positions = position_ids(all_embeds.shape[1], grid_h, grid_w, device)
-        reference, key_bias = None, None
-        if style is not None:
-            rows = all_embeds.shape[0]
-            if style.latents is not None:
-                positions = torch.cat([positions, style.positions.to(positions)])
-                reference = style.latents[:1]  # shared by every row (the transformer broadcasts it)
-            bias = style.key_bias(grid_h * grid_w)
-            key_bias = None if bias is None else bias[:1].expand(rows, -1)
+        positions, reference, key_bias = reference_inputs(style, positions, all_embeds.shape[0], grid_h * grid_w)
         mu = sampling.schedule_mu(grid_h * grid_w, self.is_distilled)
         times = sampling.sigma_schedule(steps, mu, sigmas)
         if image_start is not None:  # img2img / inpainting: start on the image's noised latent

@@ -1,10 +1,10 @@
 """Flow-matching objective, matching the sampler's convention (:mod:`krea2_diffusers.sampling`).
 
 ``x_t = (1 - t) x0 + t noise``, the transformer predicts the velocity ``noise - x0``, t in [0, 1]
-with 1 = pure noise. Training times come from :mod:`finetune.timesteps` (a sampler, then the same
-resolution-dependent exponential shift that RAW samples with, so training spends its effort where
-sampling will spend its steps); ``sample_timesteps`` is imported here for the modules that take
-it from the objective.
+with 1 = pure noise. Training times come from :mod:`finetune.optimization.timesteps` (a sampler,
+then the same resolution-dependent exponential shift that RAW samples with, so training spends its
+effort where sampling will spend its steps); ``sample_timesteps`` is imported here for the modules
+that take it from the objective.
 """
 
 from __future__ import annotations

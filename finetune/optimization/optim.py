@@ -19,7 +19,8 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .config import ConfigError, LRSchedulerConfig, OptimizerConfig
+from ..config_parser import ConfigError
+from .config import LRSchedulerConfig, OptimizerConfig
 
 # optimizer.name -> (module it needs, the pip requirement that installs it)
 PACKAGES = {
