@@ -119,8 +119,9 @@ def with_lora(path: Path, prompts: list[str]) -> torch.Tensor:
     return generate(pipe, prompts)
 
 
-def predictions(pipe, prompts: list[str], targets: torch.Tensor) -> torch.Tensor:
-    """(P, T, 16, 8, 8): the velocity predicted for each target noised at each of T times (fixed noise)."""
+def predictions(pipe, prompts: list[str], targets: torch.Tensor, denoised: bool = False) -> torch.Tensor:
+    """(P, T, 16, 8, 8): the velocity predicted for each target noised at each of T times (fixed noise);
+    with ``denoised`` the clean latents it implies instead, ``x_t - t * velocity``."""
     from krea2_diffusers.latents import pack_latents, position_ids
 
     embeds, mask = pipe.encode_prompt(prompts)
@@ -133,7 +134,7 @@ def predictions(pipe, prompts: list[str], targets: torch.Tensor) -> torch.Tensor
             pred = pipe.transformer(hidden_states=(1 - t) * x0 + t * noise, encoder_hidden_states=embeds, timestep=times,
                                     position_ids=position_ids(embeds.shape[1], SIZE // 16, SIZE // 16),
                                     encoder_attention_mask=mask, return_dict=False)[0]
-            out.append(unpack_latents(pred, SIZE, SIZE))
+            out.append(unpack_latents((1 - t) * x0 + t * noise - t * pred if denoised else pred, SIZE, SIZE))
     return torch.stack(out, dim=1)
 
 
