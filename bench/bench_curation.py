@@ -19,6 +19,11 @@ photographs (q90), every tenth a cropped, resized, recompressed copy of the one 
    hashes with real planted near duplicates (bench/dedup_scale.py): per-image cost against the
    table's size, recall against the exact scan, index bytes per row, 1/2/4 workers. Runs alone.
 
+5. ``--crops N``: near-duplicate recall per kind of copy (crops up to 5%, 5-10%, 10-15% a side,
+   16:9 and 1:1 centre crops, resizes, JPEG) and precision over N originals with their colour
+   variants and layout look-alikes, both arrival orders, and the warehouse probes' recall against
+   the exact scan (bench/dedup_crops.py). Runs alone.
+
 ``--json OUT`` writes ``{"images_per_s_per_core", "floor_images_per_s_per_core", "workers", ...}``,
 with ``--scale`` ``{"scale": [{"rows", "ms_per_image", "recall_vs_exact", "index_bytes_per_row", ...}]}``.
 """
@@ -224,6 +229,8 @@ def main() -> None:
     parser.add_argument("--scale", type=_sizes, default=None, metavar="N[,N...]",
                         help="the dedup index alone at these table sizes (e.g. 1e5,1e6,1e7)")
     parser.add_argument("--pairs", type=int, default=300, help=argparse.SUPPRESS)
+    parser.add_argument("--crops", type=int, default=None, metavar="N",
+                        help="near-duplicate recall per kind of copy on N originals (crop windows included)")
     parser.add_argument("--default-buffers", action="store_true",
                         help="with --scale: keep pgserver's 128 MB shared_buffers (default: sized to the index)")
     parser.add_argument("--floor-shard", nargs=3, metavar=("CORPUS", "SHARD", "SHARDS"), help=argparse.SUPPRESS)
@@ -235,6 +242,15 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.scale:
         scale(args.scale, args.pairs, args.json, not args.default_buffers)
+        return
+    if args.crops:
+        from dedup_crops import run as crops
+
+        with tempfile.TemporaryDirectory() as tmp:
+            result = crops(args.crops, Path(tmp) / "db")
+        print(json.dumps(result))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
         return
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -146,12 +146,8 @@ def load_and_recall(server, rows: int, pairs: list[tuple[bytes, bytes, bytes]], 
         index_bytes = _index_bytes(conn)
         shared_buffers = conn.execute("SHOW shared_buffers").fetchone()[0]
     # The exact scan over every row, as the reference (ids are row numbers + 1).
-    exact = HashIndex(hash_size ** 2, radius)
-    padded = np.zeros((rows, 24), np.uint8)
-    padded[:, 24 - nbytes:] = hashes
-    exact.table = padded.view(">u8").astype(np.uint64)[:, ::-1].copy()
-    del padded, hashes
-    exact.keys, exact.size = np.arange(1, rows + 1), rows
+    exact = HashIndex.from_hashes(np.arange(1, rows + 1), hashes, radius)
+    del hashes
     planted_found = planted_total = unrelated = unrelated_found = 0
     with psycopg.connect(dsn, autocommit=True, prepare_threshold=0) as conn:
         for slot, (phash, weak) in zip(slots, queries):

@@ -4,10 +4,13 @@ Near duplicates share a close perceptual hash, a close colour hash AND align: th
 within ``max_hash_distance`` only proposes candidates (a 5%-per-side crop moves it as far as a
 photograph that merely shares the layout), the colour hash keeps equal-luma colour variants
 apart, and the crop-tolerant detail correlation of the two grey thumbnails (curation.alignment)
-decides (:func:`best_match`). Workers take candidates from the index in the warehouse
-(curation/hash_index.py: per-image cost flat in the table, thumbnails fetched for candidates
-only) and keep nothing between batches; row locks, not a lock over the warehouse, settle two
-workers placing near duplicates at once (:class:`DedupJob`).
+decides (:func:`best_match`). A second candidate source pairs a full frame with a centred crop
+window of the other image (curation/windows.py: crops of 5-15% a side, 16:9 and 1:1 centre
+crops), decided by the same colour and alignment rules on that window. Workers take candidates
+from the warehouse: an exact scan of its hashes while it is small (curation/hash_scan.py), the
+multi-index probes beyond (curation/hash_index.py: per-image cost flat in the table, thumbnails
+fetched for candidates only), and keep nothing between batches; row locks, not a lock over the
+warehouse, settle two workers placing near duplicates at once (:class:`DedupJob`).
 :class:`Deduplicator` is the in-memory reference (the exact scan, :class:`HashIndex`) that the
 quality tests and the bench's recall use. The representative is the largest image (pixels), then
 the oldest (first ingested); a larger late arrival takes over its group.
@@ -26,30 +29,64 @@ import psycopg
 
 from .config import DedupConfig
 from .alignment import similarity
-from .hash_index import bit_order, candidates
+from .hash_index import FULL, Query, batch_candidates, bit_order, bit_text, keys
+from .hash_scan import HashIndex, scan_candidates
 from .hashing import colour_distance, hash_int
 from .warehouse import Warehouse
+from .windows import WINDOWS, unpack, window_hashes, window_thumbnail
 
 DUPLICATE_REASONS = ("exact_duplicate", "near_duplicate")
 
 
-def best_match(found: Iterable[tuple[int, int, bytes, bytes | None, int]], colour: bytes, thumbnail: bytes | None,
+@dataclass(frozen=True)
+class Fingerprint:
+    """What the near-duplicate decision compares of one image: its colour hash, its grey alignment
+    thumbnail (None for rows deduplicated before schema 2: md5 only) and its crop windows' bytes
+    (curation/windows.py; None for rows filtered before schema 5: full frame only)."""
+
+    colour: bytes
+    thumbnail: bytes | None
+    windows: bytes | None = None
+
+    def through(self, window: int | None, config: DedupConfig) -> tuple[bytes, bytes | None] | None:
+        """``(colour hash, thumbnail)`` of the full frame (``window`` None) or of a crop window;
+        None when the image has no such window."""
+        if window is None:
+            return self.colour, self.thumbnail
+        if self.windows is None or self.thumbnail is None:
+            return None
+        return unpack(self.windows, config.hash_size, config.colour_grid)[window][2], window_thumbnail(self.thumbnail, window)
+
+
+def matches(found: Iterable[tuple[int, int, int, Fingerprint, object]], image: Fingerprint,
+            config: DedupConfig) -> list[tuple[int, int, object]]:
+    """The candidates an image copies, best first, as ``(key, distance, extra)``. ``found``:
+    candidates within ``max_hash_distance`` as ``(key, distance, view, fingerprint, extra)``,
+    ``view`` saying which frames the hashes compared (curation.hash_index.FULL: both full frames;
+    ``1 + j``: the candidate's crop window j; ``-(1 + j)``: this image's window j); the same two
+    frames must be as close in colour and align (crop-tolerant detail correlation >=
+    ``min_similarity``). Ordered by alignment, then the closer hash."""
+    passed = []
+    for key, distance, view, other, extra in found:
+        own_side = image.through(-view - 1 if view < 0 else None, config)
+        other_side = other.through(view - 1 if view > 0 else None, config)
+        if own_side is None or other_side is None or own_side[1] is None or other_side[1] is None:
+            continue
+        if colour_distance(other_side[0], own_side[0]) > config.max_colour_distance:
+            continue
+        score = similarity(other_side[1], own_side[1])
+        if score >= config.min_similarity:
+            passed.append(((score, -distance), (key, distance, extra)))
+    passed.sort(key=lambda p: p[0], reverse=True)
+    return [p[1] for p in passed]
+
+
+def best_match(found: Iterable[tuple[int, int, int, Fingerprint, int]], image: Fingerprint,
                config: DedupConfig) -> tuple[int, int, int] | None:
-    """The candidate an image copies, as ``(key, distance, group)``, or None. ``found``: candidates
-    within ``max_hash_distance`` as ``(key, distance, colour hash, thumbnail, group)``; each must be
-    as close in colour and align (crop-tolerant detail correlation >= ``min_similarity``); the
-    best-aligned wins, then the closest hash. A thumbnail of None (rows deduplicated before schema 2)
-    matches by md5 only."""
-    best = None
-    for key, distance, other_colour, other_thumbnail, group in found:
-        if other_thumbnail is None or thumbnail is None:
-            continue
-        if colour_distance(other_colour, colour) > config.max_colour_distance:
-            continue
-        score = similarity(other_thumbnail, thumbnail)
-        if score >= config.min_similarity and (best is None or (score, -distance) > best[0]):
-            best = ((score, -distance), (key, distance, group))
-    return None if best is None else best[1]
+    """The candidate an image copies, as ``(key, distance, group)``, or None: the first of
+    :func:`matches` (``found``'s last field: the candidate's group)."""
+    ranked = matches(found, image, config)
+    return ranked[0] if ranked else None
 
 
 def representative(members: Iterable[tuple[int, int]]) -> int:
@@ -57,87 +94,59 @@ def representative(members: Iterable[tuple[int, int]]) -> int:
     return max(members, key=lambda m: (m[1], -m[0]))[0]
 
 
-class HashIndex:
-    """The reference exact scan (quality tests, the bench's recall): every indexed hash in a (N, words)
-    uint64 array; a query XORs and popcounts them all.
-
-    Exact and linear per query (~5 ns a hash with numpy): 1e5 hashes take ~0.5 ms, 1e7 ~50 ms, and
-    every worker would hold the whole table. Workers use the warehouse's index
-    (curation/hash_index.py: flat cost, approximate), measured against this scan.
-    """
-
-    def __init__(self, bits: int, max_distance: int):
-        self.words = (bits + 63) // 64
-        self.max_distance = max_distance
-        self.keys = np.zeros(0, np.int64)
-        self.table = np.zeros((0, self.words), np.uint64)
-        self.size = 0
-
-    def _split(self, value: int) -> np.ndarray:
-        return np.array([(value >> (64 * w)) & 0xFFFFFFFFFFFFFFFF for w in range(self.words)], np.uint64)
-
-    def add(self, key: int, value: int) -> None:
-        if self.size == len(self.keys):  # amortised growth: appends stay O(1)
-            capacity = max(1024, 2 * self.size)
-            self.keys = np.resize(self.keys, capacity)
-            self.table = np.resize(self.table, (capacity, self.words))
-        self.keys[self.size] = key
-        self.table[self.size] = self._split(value)
-        self.size += 1
-
-    def query(self, value: int) -> list[tuple[int, int]]:
-        """Every indexed ``(key, distance)`` within ``max_distance`` bits of ``value``."""
-        table, words = self.table[:self.size], self._split(value)
-        distance = np.bitwise_count(table[:, 0] ^ words[0]).astype(np.int32)
-        for w in range(1, self.words):
-            distance += np.bitwise_count(table[:, w] ^ words[w])
-        hits = np.flatnonzero(distance <= self.max_distance)
-        return list(zip(self.keys[hits].tolist(), distance[hits].tolist()))
-
-    def __len__(self) -> int:
-        return self.size
-
-
 @dataclass
 class Member:
     group: int
     area: int
     md5: str
-    colour: bytes
-    thumbnail: bytes | None
-    """The grey alignment thumbnail; None for rows deduplicated before schema 2 (md5 only)."""
+    fingerprint: Fingerprint
 
 
 class Deduplicator:
-    """Groups hashes incrementally: md5 first, then the nearest near-duplicate by (phash, colour)."""
+    """Groups hashes incrementally: md5 first, then the nearest near-duplicate by (phash, colour),
+    over both candidate sources: full frame against full frame, and full frame against crop window
+    either way (curation/windows.py), each by the exact scan."""
 
     def __init__(self, config: DedupConfig):
         self.config = config
         self.index = HashIndex(config.hash_size ** 2, config.max_hash_distance)
+        self.window_index = HashIndex(config.hash_size ** 2, config.max_hash_distance)
+        """Crop windows' hashes, key ``image_id * len(WINDOWS) + j``."""
         self.members: dict[int, Member] = {}
         self.groups: dict[int, list[int]] = defaultdict(list)
         self.by_md5: dict[str, int] = {}
 
-    def match(self, value: int, colour: bytes, thumbnail: bytes | None) -> tuple[int, float] | None:
+    def match(self, value: int, image: Fingerprint) -> tuple[int, float] | None:
         """The indexed image this one copies, as ``(key, distance)``, or None. Candidates come from
-        the hash within ``max_hash_distance``, then must be as close in colour and align (crop-
-        tolerant detail correlation >= ``min_similarity``); the best-aligned candidate wins."""
-        found = best_match(((key, distance, self.members[key].colour, self.members[key].thumbnail, self.members[key].group)
-                            for key, distance in self.index.query(value)), colour, thumbnail, self.config)
-        return None if found is None else (found[0], float(found[1]))
+        the hashes within ``max_hash_distance`` (full frames, and a full frame against a crop
+        window), then must be as close in colour and align (crop-tolerant detail correlation >=
+        ``min_similarity``) in the same frames; the best-aligned candidate wins."""
+        found = [(key, distance, FULL) for key, distance in self.index.query(value)]
+        found += [(key // len(WINDOWS), distance, 1 + key % len(WINDOWS)) for key, distance in self.window_index.query(value)]
+        if image.windows is not None:
+            for j, (window_hash, _, _) in enumerate(unpack(image.windows, self.config.hash_size, self.config.colour_grid)):
+                found += [(key, distance, -(1 + j)) for key, distance in self.index.query(hash_int(window_hash))]
+        best = best_match(((key, distance, view, self.members[key].fingerprint, self.members[key].group)
+                           for key, distance, view in found), image, self.config)
+        return None if best is None else (best[0], float(best[1]))
 
     def place(self, image_id: int, md5: str, phash: bytes, colour: bytes, thumbnail: bytes | None,
-              area: int) -> tuple[int, float]:
-        """Put an image in a group (its own when nothing matches); returns (group, distance)."""
+              area: int, windows: bytes | None = None) -> tuple[int, float]:
+        """Put an image in a group (its own when nothing matches); returns (group, distance).
+        ``windows``: its crop windows (curation.windows.window_fingerprints), None for none."""
         value = hash_int(phash)
+        image = Fingerprint(colour, thumbnail, windows)
         if md5 in self.by_md5:
             group, distance = self.members[self.by_md5[md5]].group, 0.0
         else:
-            found = self.match(value, colour, thumbnail)
+            found = self.match(value, image)
             group, distance = (self.members[found[0]].group, found[1]) if found else (image_id, 0.0)
             self.by_md5[md5] = image_id
         self.index.add(image_id, value)
-        self.members[image_id] = Member(group, area, md5, colour, thumbnail)
+        if windows is not None:
+            for j, (window_hash, _, _) in enumerate(unpack(windows, self.config.hash_size, self.config.colour_grid)):
+                self.window_index.add(image_id * len(WINDOWS) + j, hash_int(window_hash))
+        self.members[image_id] = Member(group, area, md5, image)
         self.groups[group].append(image_id)
         return group, distance
 
@@ -159,7 +168,11 @@ class DedupJob:
     locks its own rows first, in id order): the worker waits until its owner placed it and joins
     its group, or, if nobody holds it, leaves it, and its owner, waiting on the lock, then sees
     this row placed. Two workers waiting on each other's rows are a deadlock Postgres breaks by
-    aborting one, which re-runs its batch. Nothing is grouped twice."""
+    aborting one, which re-runs its batch. Nothing is grouped twice.
+
+    Crop windows enter the window index when their row's dedup batch starts (committed with it):
+    of an original and its crop deduplicated at once, the original's windows probe the crop's
+    full frame, which is in the index from its filter job on, so the same rule holds."""
 
     RETRIES = 100
 
@@ -190,52 +203,110 @@ class DedupJob:
         return conn.execute("SELECT dedup_group FROM images WHERE id = %s FOR UPDATE", (image_id,)).fetchone()[0]
 
     def _place(self, conn, rows: list[dict]) -> None:
+        """Place a batch in a fixed number of statements (lock, md5, candidates, write, windows,
+        settle), whatever its size; rows of the batch see the ones placed before them (id order)."""
         config = self.config
-        conn.execute("SELECT id FROM images WHERE id = ANY(%s) ORDER BY id FOR UPDATE", ([r["id"] for r in rows],))
-        for row in rows:
-            phash, colour, thumbnail = bytes(row["phash"]), bytes(row["colour_hash"]), bytes(row["thumbnail"])
+        ids = [r["id"] for r in rows]
+        conn.execute("SELECT id FROM images WHERE id = ANY(%s) ORDER BY id FOR UPDATE", (ids,))
+        same_md5: dict[str, list[tuple[int, int | None]]] = defaultdict(list)
+        for other, md5, other_group in conn.execute("SELECT id, md5, dedup_group FROM images WHERE md5 = ANY(%s) "
+                                                    "AND phash IS NOT NULL ORDER BY id", (list({r["md5"] for r in rows}),)):
+            same_md5[md5].append((other, other_group))
+        windows = [r["crop_windows"] and bytes(r["crop_windows"]) for r in rows]
+        queries = [Query(bytes(r["phash"]), r["phash_weak"] and bytes(r["phash_weak"]),
+                         [] if w is None else [(h, weak) for h, weak, _ in unpack(w, config.hash_size, config.colour_grid)])
+                   for r, w in zip(rows, windows)]
+        # The batch's own windows go in first: a crop later in the batch then finds its original
+        # earlier in it, as it finds the full frames (entries of a row placed again are kept once).
+        self.index_windows(conn, [(i, w) for i, w in zip(ids, windows) if w is not None])
+        near = scan_candidates(conn, queries, config.hash_size, config.max_hash_distance)
+        if near is None:  # a warehouse beyond SCAN_ROWS: the index
+            near = batch_candidates(conn, queries, config.hash_size, config.max_hash_distance)
+        batch, placed, waited = set(ids), {}, {}
+
+        def group_of(other: int, known: int | None) -> int | None:
+            # A row of this batch counts once placed above; any other unplaced row is waited for.
+            if other in batch:
+                return placed.get(other)
+            if known is None and other not in waited:
+                waited[other] = self._placed(conn, other)
+            return known if known is not None else waited[other]
+
+        results = []
+        for row, found, window_bytes in zip(rows, near, windows):
             group, distance = None, 0.0
-            for other, other_group in conn.execute("SELECT id, dedup_group FROM images WHERE md5 = %s AND id <> %s "
-                                                   "AND phash IS NOT NULL ORDER BY id", (row["md5"], row["id"])).fetchall():
-                group = other_group if other_group is not None else self._placed(conn, other)
-                if group is not None:
+            for other, other_group in same_md5[row["md5"]]:
+                if other != row["id"] and (group := group_of(other, other_group)) is not None:
                     break
             if group is None:
-                weak = row["phash_weak"] and bytes(row["phash_weak"])
-                near = [(c[0], c[1], bytes(c[2]), c[3] and bytes(c[3]), self._placed(conn, c[0]) if c[4] is None else c[4])
-                        for c in candidates(conn, phash, weak, config.hash_size, config.max_hash_distance)
-                        if c[0] != row["id"]]
-                found = best_match((c for c in near if c[4] is not None), colour, thumbnail, config)
-                group, distance = (found[2], float(found[1])) if found else (row["id"], 0.0)
-            placed = conn.execute(
-                "UPDATE images SET dedup_group = %s, dedup_distance = %s, dedup_seq = nextval('dedup_seq'), "
-                "dedup_done_at = clock_timestamp(), dedup_claimed_by = NULL, dedup_error = NULL "
-                "WHERE id = %s AND dedup_claimed_by = pg_backend_pid() RETURNING id",
-                (group, distance, row["id"])).fetchone()
-            if placed:
-                self._settle(conn, group)
+                # Only a candidate that matches is waited for (a wait on every candidate within the
+                # radius chained 16 workers' batches into deadlocks faster than they resolved).
+                image = Fingerprint(bytes(row["colour_hash"]), bytes(row["thumbnail"]), window_bytes)
+                for key, hamming, known in matches(
+                        ((c[0], c[1], c[2], Fingerprint(bytes(c[3]), c[4] and bytes(c[4]), c[6] and bytes(c[6])), c[5])
+                         for c in found if c[0] != row["id"]), image, config):
+                    if (group := group_of(key, known)) is not None:
+                        distance = float(hamming)
+                        break
+                if group is None:
+                    group = row["id"]
+            placed[row["id"]] = group
+            results.append((row["id"], group, distance))
+        done = [r[0] for r in conn.execute(
+            "UPDATE images i SET dedup_group = v.g, dedup_distance = v.d, dedup_seq = nextval('dedup_seq'), "
+            "dedup_done_at = clock_timestamp(), dedup_claimed_by = NULL, dedup_error = NULL "
+            "FROM unnest(%s::bigint[], %s::bigint[], %s::real[]) AS v(id, g, d) "
+            "WHERE i.id = v.id AND i.dedup_claimed_by = pg_backend_pid() RETURNING i.id",
+            ([r[0] for r in results], [r[1] for r in results], [r[2] for r in results])).fetchall()]
+        self._settle(conn, sorted({placed[i] for i in done}))
+
+    def index_windows(self, conn, rows: list[tuple[int, bytes]]) -> None:
+        """Put ``(id, crop_windows bytes)`` rows' windows in the window index (image_windows): one
+        row a window, their hashes as bit strings and their multi-index keys; a window already
+        there is kept (a batch run again)."""
+        if not rows:
+            return
+        config = self.config
+        table = window_hashes([w for _, w in rows], config.hash_size)
+        ids = np.repeat([i for i, _ in rows], len(WINDOWS))
+        crops = np.tile(np.arange(len(WINDOWS)), len(rows))
+        key_values = keys(table, config.hash_size)
+        bits = [bit_text(h.tobytes()) for h in table]
+        conn.execute("INSERT INTO image_windows (id, crop, phash_bits, phash_k0, phash_k1, phash_k2) "
+                     "SELECT * FROM unnest(%s::bigint[], %s::smallint[], %s::varbit[], %s::int[], %s::int[], %s::int[]) "
+                     "ON CONFLICT (id, crop) DO NOTHING",
+                     (ids.tolist(), crops.tolist(), bits, *(key_values[:, k].tolist() for k in range(key_values.shape[1]))))
 
     @staticmethod
-    def _settle(conn, group: int) -> None:
-        """Point every member of ``group`` at its representative (largest, then oldest) and set
-        the statuses: members dropped for another reason (filters never reach dedup, but a
+    def _settle(conn, groups: list[int]) -> None:
+        """Point every member of each of ``groups`` at its representative (largest, then oldest)
+        and set the statuses: members dropped for another reason (filters never reach dedup, but a
         semantic duplicate may) keep it, and so do those ``dedup-shards`` dropped (their kept copy
         lives in another shard; a larger late arrival becomes kept here and meets it at the next
         ``dedup-shards`` run)."""
-        members = conn.execute("SELECT id, width::bigint * height, md5 FROM images WHERE dedup_group = %s "
-                               "ORDER BY id FOR UPDATE", (group,)).fetchall()
-        rep = representative([(m[0], m[1]) for m in members])
-        rep_md5 = next(m[2] for m in members if m[0] == rep)
-        reasons = [None if m[0] == rep else DUPLICATE_REASONS[0] if m[2] == rep_md5 else DUPLICATE_REASONS[1]
-                   for m in members]
+        if not groups:
+            return
+        members = defaultdict(list)
+        for image_id, area, md5, group in conn.execute(
+                "SELECT id, width::bigint * height, md5, dedup_group FROM images WHERE dedup_group = ANY(%s) "
+                "ORDER BY id FOR UPDATE", (groups,)).fetchall():
+            members[group].append((image_id, area, md5))
+        ids, reps, reasons = [], [], []
+        for group_members in members.values():
+            rep = representative([(m[0], m[1]) for m in group_members])
+            rep_md5 = next(m[2] for m in group_members if m[0] == rep)
+            for m in group_members:
+                ids.append(m[0])
+                reps.append(rep)
+                reasons.append(None if m[0] == rep else DUPLICATE_REASONS[0] if m[2] == rep_md5 else DUPLICATE_REASONS[1])
         conn.execute(
-            "UPDATE images i SET duplicate_of = CASE WHEN v.reason IS NULL THEN NULL ELSE %s END, "
+            "UPDATE images i SET duplicate_of = CASE WHEN v.reason IS NULL THEN NULL ELSE v.rep END, "
             "status = CASE WHEN v.reason IS NULL THEN 'kept' ELSE 'dropped' END, drop_reason = v.reason, "
             "drop_score = CASE WHEN v.reason IS NULL THEN NULL ELSE i.dedup_distance END, "
             "drop_job = CASE WHEN v.reason IS NULL THEN NULL ELSE 'dedup' END "
-            "FROM unnest(%s::bigint[], %s::text[]) AS v(id, reason) WHERE i.id = v.id "
+            "FROM unnest(%s::bigint[], %s::bigint[], %s::text[]) AS v(id, rep, reason) WHERE i.id = v.id "
             "AND (i.status IN ('kept', 'pending') OR i.drop_reason IN ('exact_duplicate', 'near_duplicate')) "
             "AND i.drop_job IS DISTINCT FROM 'dedup-shards' "
-            "AND (i.duplicate_of IS DISTINCT FROM CASE WHEN v.reason IS NULL THEN NULL ELSE %s END "
+            "AND (i.duplicate_of IS DISTINCT FROM CASE WHEN v.reason IS NULL THEN NULL ELSE v.rep END "
             "     OR i.drop_reason IS DISTINCT FROM v.reason OR i.status = 'pending')",
-            (rep, [m[0] for m in members], reasons, rep))
+            (ids, reps, reasons))

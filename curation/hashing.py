@@ -40,11 +40,13 @@ def perceptual_hash(image: Image.Image, hash_size: int = 12) -> bytes:
     return perceptual_hash_margins(image, hash_size)[0]
 
 
-def perceptual_hash_margins(image: Image.Image, hash_size: int = 12) -> tuple[bytes, np.ndarray]:
+def perceptual_hash_margins(image: Image.Image, hash_size: int = 12,
+                            box: tuple[float, float, float, float] | None = None) -> tuple[bytes, np.ndarray]:
     """The pHash and, per bit, how far its coefficient lies from the median ((hash_size**2,)
-    float, row-major like the bits): bits with small margins are the ones a copy flips."""
+    float, row-major like the bits): bits with small margins are the ones a copy flips. ``box``:
+    of the region (left, top, right, bottom in pixels) instead of the whole image."""
     side = hash_size * PHASH_OVERSAMPLE
-    grey = np.asarray(as_mode(image, "L").resize((side, side), Image.Resampling.BILINEAR), dtype=np.float64)
+    grey = np.asarray(as_mode(image, "L").resize((side, side), Image.Resampling.BILINEAR, box=box), dtype=np.float64)
     dct = _dct_matrix(side)
     low = (dct @ grey @ dct.T)[:hash_size, :hash_size].ravel()
     centred = low - _median(low[1:])
@@ -61,9 +63,10 @@ def _median(values: np.ndarray) -> float:
     return (pair[0] + pair[1]) / 2
 
 
-def colour_hash(image: Image.Image, grid: int = 4) -> bytes:
-    """Mean chroma (Cb, Cr of YCbCr, 0-255) of each cell of a grid x grid split: 2 * grid**2 bytes."""
-    cells = as_mode(image, "RGB").resize((grid, grid), Image.Resampling.BOX).convert("YCbCr")
+def colour_hash(image: Image.Image, grid: int = 4, box: tuple[float, float, float, float] | None = None) -> bytes:
+    """Mean chroma (Cb, Cr of YCbCr, 0-255) of each cell of a grid x grid split: 2 * grid**2 bytes.
+    ``box``: of the region (left, top, right, bottom in pixels) instead of the whole image."""
+    cells = as_mode(image, "RGB").resize((grid, grid), Image.Resampling.BOX, box=box).convert("YCbCr")
     return np.asarray(cells, dtype=np.uint8)[..., 1:].tobytes()
 
 

@@ -107,7 +107,18 @@ rows placed before get their keys (:func:`~curation.hash_index.backfill`); for `
 (curation/shards.py) the warehouse's own id, the progress of its comparison with each peer, and
 ``shard_duplicate_of`` (the kept copy in another shard)."""
 
-MIGRATIONS = (_V1, _V2, _V3, (_V4, backfill))
+_V5 = f"""
+ALTER TABLE images ADD COLUMN crop_windows bytea;
+CREATE TABLE image_windows (id bigint NOT NULL, crop smallint NOT NULL, phash_bits varbit NOT NULL,
+    {', '.join(f'{c} integer NOT NULL' for c in KEY_COLUMNS)}, PRIMARY KEY (id, crop));
+{' '.join(f'CREATE INDEX image_windows_{c} ON image_windows ({c}) INCLUDE (id, crop, phash_bits);' for c in KEY_COLUMNS)}
+"""
+"""Version 5: crop windows (curation/windows.py), the second near-duplicate candidate source:
+``crop_windows`` (a filter result: each centred window's pHash, weak bits and colour hash) and
+``image_windows``, the windows' hashes under the same multi-index keys, one row a window, written
+by the row's dedup batch before it looks for candidates. Rows filtered before it have no windows: they match by full frame only."""
+
+MIGRATIONS = (_V1, _V2, _V3, (_V4, backfill), _V5)
 """MIGRATIONS[i] takes a database from schema version i to i + 1: a script, or a script and then a
 function of the connection (work SQL alone cannot do)."""
 SCHEMA_VERSION = len(MIGRATIONS)

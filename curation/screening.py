@@ -25,6 +25,7 @@ from .filters import scores, size_verdict, thumbnail, verdict
 from .hash_index import KEY_COLUMNS, bit_text, row_keys, weak_bits
 from .hashing import colour_hash, perceptual_hash_margins
 from .warehouse import Outcome
+from .windows import window_fingerprints
 
 FILE_SCHEME = "file://"
 
@@ -106,7 +107,9 @@ def filter_outcome(row: dict, small: Image.Image, config: CurationConfig) -> Out
     return Outcome(row["id"], {"filter_scores": values, "phash": phash, **index,
                                "phash_weak": weak_bits(margins, config.dedup.hash_size),
                                "colour_hash": colour_hash(small, config.dedup.colour_grid),
-                               "thumbnail": grey_thumbnail(grey)})
+                               "thumbnail": grey_thumbnail(grey),
+                               "crop_windows": window_fingerprints(grey, small, config.dedup.hash_size,
+                                                                   config.dedup.colour_grid)})
 
 
 def filter_row(row: dict, config: CurationConfig, decoded: DecodedImages | None = None) -> Outcome:

@@ -2,7 +2,7 @@
 
 Each warehouse deduplicates inside itself; this pass compares every shard's kept representatives
 with every other shard's index (curation/hash_index.py: md5, then pHash candidates, colour and
-alignment, :func:`~curation.dedup.best_match`), and of a representative and its best match in
+alignment, :func:`~curation.dedup.best_match`, crop windows included), and of a representative and its best match in
 another shard keeps the one the in-shard rule keeps: the largest (pixels), then the oldest (first
 ingested; ties by shard id, then row id). The other is ``dropped`` (``exact_duplicate`` or
 ``near_duplicate``, ``drop_job = 'dedup-shards'``) with ``shard_duplicate_of = '<shard id>:<row id>'``,
@@ -21,8 +21,10 @@ import contextlib
 from dataclasses import dataclass
 
 from .config import CurationConfig
-from .dedup import DUPLICATE_REASONS, best_match
-from .hash_index import candidates
+from .dedup import DUPLICATE_REASONS, Fingerprint, best_match
+from .hash_index import Query, batch_candidates
+from .hash_scan import scan_candidates
+from .windows import unpack
 from .warehouse import Warehouse, open_warehouse
 
 BATCH = 256
@@ -37,7 +39,7 @@ class Shard:
 
 def _representatives(shard: Shard, after: int, batch: int) -> list[tuple]:
     return shard.warehouse.conn.execute(
-        "SELECT id, md5, phash, phash_weak, colour_hash, thumbnail, width::bigint * height, ingested_at "
+        "SELECT id, md5, phash, phash_weak, colour_hash, thumbnail, width::bigint * height, ingested_at, crop_windows "
         "FROM images WHERE status = 'kept' AND dedup_group IS NOT NULL AND id > %s ORDER BY id LIMIT %s",
         (after, batch)).fetchall()
 
@@ -45,7 +47,7 @@ def _representatives(shard: Shard, after: int, batch: int) -> list[tuple]:
 def _match(row: tuple, other: Shard, config: CurationConfig) -> tuple | None:
     """The kept row of ``other`` that ``row`` copies, as ``(id, distance, area, ingested_at, md5)``."""
     conn = other.warehouse.conn
-    image_id, md5, phash, weak, colour, thumbnail, area, ingested = row
+    image_id, md5, phash, weak, colour, thumbnail, area, ingested, windows = row
     exact = conn.execute("SELECT id, width::bigint * height, ingested_at, md5 FROM images WHERE md5 = %s "
                          "AND status = 'kept' ORDER BY id LIMIT 1", (md5,)).fetchone()
     if exact:
@@ -53,14 +55,18 @@ def _match(row: tuple, other: Shard, config: CurationConfig) -> tuple | None:
     if phash is None or thumbnail is None:
         return None
     dedup = config.dedup
-    found = [c for c in candidates(conn, bytes(phash), weak and bytes(weak), dedup.hash_size, dedup.max_hash_distance)]
+    windows = windows and bytes(windows)
+    query = Query(bytes(phash), weak and bytes(weak),
+                  [] if windows is None else [(h, w) for h, w, _ in unpack(windows, dedup.hash_size, dedup.colour_grid)])
+    found = (scan_candidates(conn, [query], dedup.hash_size, dedup.max_hash_distance)
+             or batch_candidates(conn, [query], dedup.hash_size, dedup.max_hash_distance))[0]
     if not found:
         return None
     kept = {r[0]: r[1:] for r in conn.execute(
         "SELECT id, width::bigint * height, ingested_at, md5 FROM images WHERE id = ANY(%s) AND status = 'kept'",
         ([c[0] for c in found],)).fetchall()}
-    best = best_match(((c[0], c[1], bytes(c[2]), c[3] and bytes(c[3]), c[4]) for c in found if c[0] in kept),
-                      bytes(colour), bytes(thumbnail), dedup)
+    best = best_match(((c[0], c[1], c[2], Fingerprint(bytes(c[3]), c[4] and bytes(c[4]), c[6] and bytes(c[6])), c[5])
+                       for c in found if c[0] in kept), Fingerprint(bytes(colour), bytes(thumbnail), windows), dedup)
     return None if best is None else (best[0], best[1], *kept[best[0]])
 
 

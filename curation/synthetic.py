@@ -75,6 +75,29 @@ def copy_of(image: Image.Image, crops: tuple[float, float, float, float] = (0, 0
     return _jpeg(image, quality)
 
 
+COPY_KINDS = ("crop<=5%", "resize", "jpeg", "all three", "crop 5-10%", "crop 10-15%", "16:9 of 4:3", "1:1 of 4:3")
+"""The near copies :func:`near_copies` makes of a picture, in order."""
+
+
+def near_copies(rng: np.random.Generator, picture: Image.Image) -> list[tuple[str, bytes]]:
+    """One copy of each of :data:`COPY_KINDS` as ``(kind, JPEG bytes)``: cropped by up to 5% a
+    side (q95); resized to 50-100% (q95); saved at q60-95; all three; cropped by 5-10% and by
+    10-15% on each side, and the 16:9 and 1:1 centre crops of a 4:3 frame (these four also resized
+    to 70-100% and saved at q60-95: what the crop windows must find)."""
+    crops = lambda low=0.0, high=0.05: tuple(rng.uniform(low, high, 4))  # noqa: E731
+    smaller = lambda: float(rng.uniform(0.7, 1.0))  # noqa: E731
+    quality = lambda: int(rng.integers(60, 96))  # noqa: E731
+    copies = [copy_of(picture, crops(), 1.0, 95),
+              copy_of(picture, (0, 0, 0, 0), float(rng.uniform(0.5, 1.0)), 95),
+              copy_of(picture, (0, 0, 0, 0), 1.0, quality()),
+              copy_of(picture, crops(), float(rng.uniform(0.5, 1.0)), quality()),
+              copy_of(picture, crops(0.05, 0.10), smaller(), quality()),
+              copy_of(picture, crops(0.10, 0.15), smaller(), quality()),
+              copy_of(picture, (0, 0.125, 0, 0.125), smaller(), quality()),
+              copy_of(picture, (0.125, 0, 0.125, 0), smaller(), quality())]
+    return list(zip(COPY_KINDS, copies))
+
+
 def illustration(rng: np.random.Generator, size: tuple[int, int] = PHOTO_SIZE) -> Image.Image:
     """A flat background (about 60% of the picture) with gradient-filled shapes well inside it."""
     w, h = size
@@ -111,9 +134,11 @@ def _jpeg(image: Image.Image, quality: int) -> bytes:
     return buffer.getvalue()
 
 
-def make_corpus(folder: str | Path, photos: int = 6, seed: int = 0, bad: bool = True) -> dict[str, str]:
+def make_corpus(folder: str | Path, photos: int = 6, seed: int = 0, bad: bool = True, crops: bool = False) -> dict[str, str]:
     """Write the corpus into ``folder``; returns file name -> expected outcome: ``"kept"``, a drop
-    reason, or ``"failed"``. Names sort so that each original is ingested before its copies."""
+    reason, or ``"failed"``. Names sort so that each original is ingested before its copies.
+    ``crops``: also a 4:3 photograph (512x384) with copies cropped by 10-15% a side and its 16:9
+    and 1:1 centre crops (found through the crop windows)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -141,6 +166,12 @@ def make_corpus(folder: str | Path, photos: int = 6, seed: int = 0, bad: bool = 
             save(f"p{i:03d}_f_layout.png", _png(photo(rng, layout=shared)), "kept")
         save(f"g{i:03d}_grainy.jpg", _jpeg(natural(rng, grain=8.0), 90), "kept")  # film grain sigma 8
     save("q_illustration.png", _png(illustration(rng)), "kept")
+    if crops:
+        picture = photo(rng, (512, 384))
+        save("s000_a.png", _png(picture), "kept")
+        save("s000_b_crop15.jpg", copy_of(picture, tuple(rng.uniform(0.10, 0.15, 4)), 1.0, 80), "near_duplicate")
+        save("s000_c_16x9.jpg", copy_of(picture, (0, 0.125, 0, 0.125), 1.0, 85), "near_duplicate")
+        save("s000_d_1x1.jpg", copy_of(picture, (0.125, 0, 0.125, 0), 1.0, 85), "near_duplicate")
     if not bad:
         return expected
     flat = np.full((320, 400, 3), (90, 120, 160), np.uint8)

@@ -28,7 +28,7 @@ from .server import EmbeddedServer, WarehouseError, connect
 RESULT_COLUMNS = {
     "probe": {"md5": "text", "size_bytes": "bigint", "format": "text", "width": "integer", "height": "integer"},
     "filter": {"filter_scores": "jsonb", "phash": "bytea", "phash_weak": "bytea", "colour_hash": "bytea",
-               "thumbnail": "bytea", "phash_bits": "varbit", **{c: "integer" for c in KEY_COLUMNS}},
+               "thumbnail": "bytea", "phash_bits": "varbit", "crop_windows": "bytea", **{c: "integer" for c in KEY_COLUMNS}},
     "dedup": {},  # written by the dedup job itself
     "caption": {"caption_long": "text", "caption_medium": "text", "caption_short": "text"},
     "embed": {"embedding_path": "text", "embedding_row": "integer"},
@@ -37,7 +37,7 @@ RESULT_COLUMNS = {
 """Result columns each job writes through :meth:`Warehouse.write` and their SQL types."""
 
 CLAIM_COLUMNS = ("id", "uri", "source_text", "md5", "size_bytes", "width", "height", "phash", "phash_weak", "colour_hash",
-                 "thumbnail", "caption_long", "embedding_path", "embedding_row", "ingested_at")
+                 "thumbnail", "crop_windows", "caption_long", "embedding_path", "embedding_row", "ingested_at")
 
 
 @dataclass

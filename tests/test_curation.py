@@ -44,7 +44,7 @@ def _cli(capsys, *argv) -> tuple[int, str, str]:
 
 def test_corpus_verdicts_status_and_export(server, tmp_path, capsys):
     corpus = tmp_path / "corpus"
-    expected = make_corpus(corpus, photos=6)
+    expected = make_corpus(corpus, photos=6, crops=True)
     (corpus / "p000_a.txt").write_text("a red kite over a field")
     config = tmp_path / "curate.yaml"
     config.write_text(FAST_QUEUE)
@@ -78,6 +78,7 @@ def test_corpus_verdicts_status_and_export(server, tmp_path, capsys):
         assert rows[name]["dedup_group"] != original["dedup_group"]
         distance = (hash_int(bytes(rows[name]["phash"])) ^ hash_int(bytes(original["phash"]))).bit_count()
         assert distance <= 16, f"{name}: the colour variant should fool a perceptual hash alone ({distance} bits)"
+    _probes_agree_with_the_scan(server.dsn, rows, expected)
 
     code, out, _ = _cli(capsys, "status", "--db", db, "--json")
     status = json.loads(out)
@@ -172,6 +173,36 @@ def test_three_workers_one_killed(server, tmp_path):
     assert {(c["job"], c["image_id"]) for c in abandoned} <= {k for k, h in by_row.items() if len(h) > 1}
 
 
+def _probes_agree_with_the_scan(dsn: str, rows: dict[str, dict], expected: dict[str, str]) -> None:
+    """The multi-index probes (what a warehouse of over SCAN_ROWS rows runs) return a subset of the
+    exact scan's candidates (full frames and crop windows) with the same distances and views, and
+    find every near duplicate of the corpus, the crop-window ones included."""
+    from curation.config import DedupConfig
+    from curation.hash_index import Query, batch_candidates
+    from curation.hash_scan import scan_candidates
+    from curation.windows import unpack
+
+    config = DedupConfig()
+    hashed = [n for n, r in rows.items() if r["phash"] is not None]
+    queries = [Query(bytes(rows[n]["phash"]), bytes(rows[n]["phash_weak"]),
+                     [(h, w) for h, w, _ in unpack(bytes(rows[n]["crop_windows"]), config.hash_size, config.colour_grid)])
+               for n in hashed]
+    with psycopg.connect(dsn) as conn:
+        found = {True: scan_candidates(conn, queries, config.hash_size, config.max_hash_distance),
+                 False: batch_candidates(conn, queries, config.hash_size, config.max_hash_distance)}
+    by_id = {r["id"]: n for n, r in rows.items()}
+    views = set()
+    for name, exact, probed in zip(hashed, found[True], found[False]):
+        exact_set, probed_set = {c[:3] for c in exact}, {c[:3] for c in probed}
+        assert probed_set <= exact_set, name
+        if expected[name] == "near_duplicate":
+            original = rows[name[:4] + "_a.png"]["id"]
+            assert any(c[0] == original for c in probed_set), name
+            views |= {c[2] for c in probed_set if c[0] == original}
+        assert {by_id[c[0]] for c in exact_set} >= {name}  # the row itself, at distance 0
+    assert any(v > 0 for v in views)  # a copy found its original's window (the original came first)
+
+
 def test_bad_connections_schema_and_backoff(server, tmp_path, capsys):
     code, _, err = _cli(capsys, "status", "--dsn", "postgresql://curator@127.0.0.1:1/warehouse_x")
     assert code == 2 and "127.0.0.1" in err and "warehouse_x" in err and "Traceback" not in err
@@ -234,7 +265,7 @@ def test_schema_3_claims_that_find_nothing_read_no_rows(server, capsys):
         conn.execute("INSERT INTO images (uri, phash, dedup_group, status) VALUES ('/old.jpg', %s, 1, 'kept')", (phash,))
     assert _cli(capsys, "init", "--dsn", dsn)[0] == 0
     with open_warehouse(dsn=dsn) as warehouse:
-        assert schema_version(warehouse.conn) == len(MIGRATIONS) == 4
+        assert schema_version(warehouse.conn) == len(MIGRATIONS) == 5
         bits = np.unpackbits(np.frombuffer(phash, np.uint8))  # the 72 lowest frequencies but DC, 24 a key
         low = sorted(range(1, 144), key=lambda i: (i // 12 + i % 12, i))[:72]
         expected = [int("".join(map(str, bits[low[k * 24:(k + 1) * 24]])), 2) for k in range(3)]
@@ -274,9 +305,11 @@ def test_hash_index_matches_brute_force():
         for key, value in enumerate(everything):
             index.add(key, value)
         assert len(index) == len(everything)
+        packed = np.frombuffer(b"".join(v.to_bytes(18, "big") for v in everything), np.uint8).reshape(-1, 18)
+        scanned = HashIndex.from_hashes(np.arange(len(everything)), packed, distance)  # what a batch scan builds
         for query in everything[::29]:
             brute = sorted((k, (v ^ query).bit_count()) for k, v in enumerate(everything) if (v ^ query).bit_count() <= distance)
-            assert sorted(index.query(query)) == brute
+            assert sorted(index.query(query)) == brute == sorted(scanned.query(query))
 
 
 def test_index_probes_cover_weak_bits_and_one_more():
