@@ -108,16 +108,18 @@ def bit_text(phash: bytes) -> str:
 
 CANDIDATES_SQL = (
     "WITH hits AS MATERIALIZED (" + " UNION ALL ".join(
-        f"SELECT h.id, h.phash_bits FROM unnest(%(p{k})b::int[]) AS p{k}(v) CROSS JOIN LATERAL "
-        f"(SELECT id, phash_bits FROM images WHERE {c} = p{k}.v OFFSET 0) AS h" for k, c in enumerate(KEY_COLUMNS)) + "), "
-    "near AS (SELECT DISTINCT id, bit_count(phash_bits # %(bits)s::varbit) AS distance FROM hits) "
-    "SELECT i.id, near.distance, i.colour_hash, i.thumbnail, i.dedup_group FROM near JOIN images i ON i.id = near.id "
-    "WHERE near.distance <= %(radius)s")
+        f"SELECT h.id, h.distance FROM unnest(%(p{k})b::int[]) AS p{k}(v) CROSS JOIN LATERAL "
+        f"(SELECT id, bit_count(phash_bits # %(bits)s::varbit) AS distance FROM images WHERE {c} = p{k}.v "
+        f"AND bit_count(phash_bits # %(bits)s::varbit) <= %(radius)s OFFSET 0) AS h" for k, c in enumerate(KEY_COLUMNS))
+    + "), near AS (SELECT DISTINCT id, distance FROM hits) "
+    "SELECT i.id, near.distance, i.colour_hash, i.thumbnail, i.dedup_group FROM near JOIN images i ON i.id = near.id")
 # Each probed value is looked up on its own (a LATERAL subquery the planner cannot flatten: one
 # index-only descent a value); planned as a join, the planner hashed the whole table at 1e5 rows
-# (its cost model prices 3,648 descents above a scan), 50x slower. The distance is computed on the
-# index entries (INCLUDE phash_bits), once per distinct row: on the hash as a bit string, because
-# decoding the bytea one (hex, then varbit) cost ~4 us an entry, doubling the query at 1e7 rows.
+# (its cost model prices 3,648 descents above a scan), 50x slower. The radius is checked on the
+# index entries (INCLUDE phash_bits) inside each descent, so only rows within it are collected:
+# at 1e7 rows a query meets ~2,200 entries that agree on a key by chance (0.6 a key value), and
+# materialising them all before filtering cost 0.6-1.4 ms a query there (~0.01 ms at 1e5). The distance
+# is on the hash as a bit string, because decoding the bytea one (hex, then varbit) cost ~4 us an entry.
 """Placed rows (only they carry keys) agreeing with the query on a probed key and within the
 radius on the whole hash. Each key's index holds the hash as a bit string (INCLUDE phash_bits), so
 the distance is computed on index entries (an index-only scan) and only rows within the radius are read:
@@ -186,19 +188,20 @@ def _probe_sql() -> str:
     lists = "".join(f"{name}{k} AS (SELECT * FROM unnest(%({name}q{k})b::int[], %({name}view{k})b::int[], "
                     f"%({name}v{k})b::int[]) AS p(q, view, v)), " for name in ("f", "w") for k in range(SUBSTRINGS))
     lookups = []
+    within = "bit_count(phash_bits # q.bits)"  # checked inside each descent, as in CANDIDATES_SQL
     for k, column in enumerate(KEY_COLUMNS):
-        lookups.append(f"SELECT p.q, p.view, h.id, -1 AS crop, h.phash_bits FROM f{k} p CROSS JOIN LATERAL "
-                       f"(SELECT id, phash_bits FROM images WHERE {column} = p.v OFFSET 0) AS h")
-        lookups.append(f"SELECT p.q, p.view, h.id, h.crop, h.phash_bits FROM w{k} p CROSS JOIN LATERAL "
-                       f"(SELECT id, crop, phash_bits FROM image_windows WHERE {column} = p.v OFFSET 0) AS h")
+        for name, table, crop in (("f", "images", "-1"), ("w", "image_windows", "crop")):
+            lookups.append(f"SELECT p.q, p.view, h.id, h.crop, h.distance FROM {name}{k} p "
+                           f"JOIN queries q ON q.q = p.q AND q.view = p.view CROSS JOIN LATERAL "
+                           f"(SELECT id, {crop} AS crop, {within} AS distance FROM {table} WHERE {column} = p.v "
+                           f"AND {within} <= %(radius)s OFFSET 0) AS h")
     return (
         "WITH queries AS (SELECT * FROM unnest(%(qq)b::int[], %(qview)b::int[], %(qbits)s::varbit[]) AS q(q, view, bits)), "
         + lists + "hits AS MATERIALIZED (" + " UNION ALL ".join(lookups) + "), "
-        "near AS (SELECT DISTINCT h.q, h.view, h.id, h.crop, bit_count(h.phash_bits # q.bits) AS distance "
-        "FROM hits h JOIN queries q ON q.q = h.q AND q.view = h.view) "
+        "near AS (SELECT DISTINCT q, view, id, crop, distance FROM hits) "
         "SELECT n.q, n.id, n.distance, CASE WHEN n.view = 0 THEN 1 + n.crop ELSE n.view END, "
         "i.colour_hash, i.thumbnail, i.dedup_group, i.crop_windows "
-        "FROM near n JOIN images i ON i.id = n.id WHERE n.distance <= %(radius)s")
+        "FROM near n JOIN images i ON i.id = n.id")
 
 
 BATCH_SQL = _probe_sql()

@@ -27,6 +27,8 @@ class LoraSpec:
     images: int = 300
     """Red-ink scans (and as many black regularization scans) drawn from the training split."""
     seed: int = 0
+    concept_caption_dropout: float = 0.0
+    """Share of concept images trained with an empty caption (the concept set's ``caption_dropout``)."""
 
 
 @dataclass
@@ -42,7 +44,8 @@ def lora_config(spec: LoraSpec, base_dir: Path, concept: Path, regular: Path, ru
     return {
         "output_dir": str(run_dir),
         "model": {"pretrained_model_name_or_path": str(base_dir), "max_sequence_length": 32},
-        "data": {"datasets": [{"path": str(concept)}, {"path": str(regular), "is_regularization": True}],
+        "data": {"datasets": [{"path": str(concept), "caption_dropout": spec.concept_caption_dropout},
+                              {"path": str(regular), "is_regularization": True}],
                  "resolution": resolution, "caption_dropout": 0.0, "num_workers": 0},
         "training": {"method": "lora", "max_steps": spec.steps, "batch_size": spec.batch_size, "seed": spec.seed},
         "lora": {"rank": spec.rank, "alpha": spec.rank, "train_text_fusion": True,

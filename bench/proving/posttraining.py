@@ -8,30 +8,23 @@ hand with ``krea2 posttrain``), runs the product's CLI in its own process with `
 ``models/<stage>/``: ``lora_diffusers.safetensors`` for a LoRA, a model folder (the base's folder
 with the trained ``transformer/``) for full weights.
 
-The ``quick`` settings only prove the plumbing in CI. Full DRaFT (:data:`SETTINGS`) is tuned on
-/work/pg/final/models/base (guidance-0 accuracy 0.570, diversity 28.53 on 20 samples per digit,
-16 Euler steps, seeds 0..): 250 steps, lr 1e-3, batch 8, rank 16, draft_k 2, reward kind ``prob``
-reach judge accuracy 0.825, diversity 15.6 (threshold: >= 0.742 and >= 14.3) in 149 s on one
-thread; 200 steps stop short (0.71 / 20.5), ``log_prob`` exploits the reward (150 steps: 0.77 but
-diversity 13.5). Full GRPO and DPO are NOT yet tuned to the thresholds: GRPO 150 steps (16
-rollouts a step) lr 1e-3 gives 0.59 / 28.8, group 16 x batch 1 at lr 2e-3 0.58 / 27.8 (reward
-0.48 -> 0.58), 250 steps at lr 3e-3 0.56 / 25.5, and lr 5e-3 falls to 0.26 (reward 0.50 ->
-0.21); DPO (16 pairs per digit, beta 500, lr 2e-3) gives 0.615 at 200 steps, 0.58 at 800,
-lr 5e-3 (400 steps) 0.31 and lr 1e-2 / beta 5000 collapses (0.135). Earlier,
-measured on /work/pg/base_v1 (6 blocks x 192, 16 Euler steps, guidance-0 accuracy 0.28 on 10
-samples per digit): DRaFT at lr 5e-3 / batch 4 over-steps
-(judge accuracy on 20 fixed seeds 0.45 -> 0.60 at step 5 with a 32x32 reward, then that reward was
-hacked; with the 8x8 reward 0.45 -> 0.15 by step 20, the exported LoRA collapsed: accuracy 0.13,
-diversity 6.4 vs 32.0), hence lr 1e-3 / batch 8; GRPO (30 steps, 16 rollouts a step) did not move
-(eval accuracy 0.25 -> 0.35, reward 0.26 -> 0.24): it needs far more rollouts than this budget.
-DRaFT at lr 1e-3 / batch 8 rises steadily (20 fixed seeds: accuracy 0.45 -> 0.65, reward -2.55 ->
--1.63 over 25 steps; the exported LoRA on 10 samples per digit: accuracy 0.33 vs 0.28, diversity
-24.9 vs 32.0, FD 278 vs 128), not yet the 0.57 the threshold asks. 60 steps (78 s on the quiet
-machine): curve accuracy 0.65, reward -1.06, but the LoRA's 10 per digit give accuracy 0.39,
-diversity 13.8 (below half the base's) and FD 723: the log_prob reward was partly exploited there.
-DPO (80 on-policy pairs, 60 steps, lr 2e-3, beta 500, both anchors): accuracy 0.32, FD 110 (base
-128), diversity 31.7. TDM (full, 100 steps, lr 1e-4, teacher CFG 3.0): student_4 accuracy 0.54, FD
-303.8 vs teacher_4 0.59, FD 305.7.
+The ``quick`` settings only prove the plumbing in CI. The full settings (:data:`SETTINGS`) were
+tuned stage by stage on the full run's base (pretrained 2500 steps at 32 px + 500 at 64 px;
+guidance-free accuracy 0.850, diversity 24.4, 20 samples per digit, 16 Euler steps):
+
+- DPO: pairs ranked by the reward over the base's guidance-free samples AND as many CFG-3 samples
+  (``chosen_guidance``; rejected: the worst guidance-free ones): 200 steps 0.915. On the earlier,
+  weaker base (guidance-free 0.570), on-policy pairs alone peaked at 0.615 (200 steps), 800 steps
+  0.58, lr 5e-3 0.31, lr 1e-2 / beta 5000 collapsed (0.135).
+- GRPO: the exploring window pinned to the first four (high-noise) steps, ``sde_window_start`` 0,
+  where the digit is decided: 150 steps of 16 rollouts 0.975 (diversity 16.0); on the earlier base
+  0.76 against 0.58 for a random window with the same budget (lr 5e-3 there fell: reward 0.50 -> 0.21).
+- DRaFT: 250 steps, lr 1e-3, batch 8, draft_k 2, the bounded ``prob`` reward: 0.990 (diversity
+  15.7); the ``log_prob`` reward was gamed (reward up, diversity below half the base's).
+- TDM (full weights, trajectory matching, teacher CFG 3): the teacher is perfect at 4 steps already
+  (teacher_4 accuracy 1.000, FD 136.6; teacher_28 1.000, FD 129.3), so "error <= 0.6 x teacher_4's"
+  asks for a perfect student. 600 steps at lr 2e-4: accuracy 1.000, FD 132.4; 300 steps: 1.000 but
+  FD 136.9; 100 steps at 1e-4: 0.995, FD 131.3 (0.765 on the earlier base).
 """
 
 from __future__ import annotations
@@ -67,17 +60,17 @@ class StageResult:
 
 # Per method: (full run, --quick). Keys are krea2 posttrain config values set below.
 SETTINGS = {
-    "dpo": ({"steps": 60, "lr": 2e-3, "beta": 500.0, "rank": 16, "per_digit": 16, "batch": 4},
-            {"steps": 2, "lr": 2e-3, "beta": 500.0, "rank": 4, "per_digit": 2, "batch": 2}),
-    "grpo": ({"steps": 30, "lr": 5e-3, "group": 8, "batch": 2, "rank": 16, "kl": 0.01, "clip": 0.01, "noise": 1.0,
-              "sde_steps": 4, "updates": 1, "eval_every": 5, "eval_seeds": 2},
+    "dpo": ({"steps": 300, "lr": 2e-3, "beta": 500.0, "rank": 16, "per_digit": 16, "batch": 4, "chosen_guidance": 3.0},
+            {"steps": 2, "lr": 2e-3, "beta": 500.0, "rank": 4, "per_digit": 2, "batch": 2, "chosen_guidance": 3.0}),
+    "grpo": ({"steps": 150, "lr": 2e-3, "group": 16, "batch": 1, "rank": 16, "kl": 0.01, "clip": 0.01, "noise": 1.0,
+              "sde_steps": 4, "sde_window_start": 0, "updates": 1, "eval_every": 50, "eval_seeds": 2},
              {"steps": 2, "lr": 5e-3, "group": 2, "batch": 1, "rank": 4, "kl": 0.01, "clip": 0.01, "noise": 1.0,
-              "sde_steps": 2, "updates": 1, "eval_every": 1, "eval_seeds": 1}),
+              "sde_steps": 2, "sde_window_start": 0, "updates": 1, "eval_every": 1, "eval_seeds": 1}),
     "draft": ({"steps": 250, "lr": 1e-3, "batch": 8, "rank": 16, "draft_k": 2, "kind": "prob", "eval_every": 50,
                "eval_seeds": 2},
               {"steps": 2, "lr": 5e-3, "batch": 2, "rank": 4, "draft_k": 1, "kind": "log_prob", "eval_every": 1,
                "eval_seeds": 1}),
-    "distill": ({"steps": 100, "lr": 1e-4, "batch": 4, "teacher_steps": 28},
+    "distill": ({"steps": 600, "lr": 2e-4, "batch": 4, "teacher_steps": 28},
                 {"steps": 2, "lr": 1e-4, "batch": 2, "teacher_steps": 8}),
 }
 
@@ -165,7 +158,8 @@ def run_dpo(base_dir, work_dir, quick: bool, device: str = "cpu", *, reward: Pat
     best sample is chosen over its worst, the second best over the second worst, and so on."""
     base_dir, work_dir, s = Path(base_dir), Path(work_dir), settings("dpo", quick)
     start = time.perf_counter()
-    manifest = make_pairs(base_dir, work_dir / "dpo_pairs", reward, s["per_digit"], sampling_steps, resolution, seed, device)
+    manifest = make_pairs(base_dir, work_dir / "dpo_pairs", reward, s["per_digit"], sampling_steps, resolution, seed, device,
+                          chosen_guidance=s.get("chosen_guidance"))
     run_dir = work_dir / "dpo"
     config = base_config(base_dir, run_dir, "dpo", s["steps"], s["lr"], s["batch"], s["rank"], seed)
     config["dpo"] = {"data": str(manifest), "resolution": resolution, "beta": s["beta"], "sft_weight": 1.0,
@@ -176,10 +170,16 @@ def run_dpo(base_dir, work_dir, quick: bool, device: str = "cpu", *, reward: Pat
 
 
 def make_pairs(base_dir: Path, folder: Path, reward: Path, per_digit: int, sampling_steps: int, resolution: int,
-               seed: int, device: str) -> Path:
+               seed: int, device: str, chosen_guidance: float | None = None) -> Path:
     """Sample ``per_digit`` guidance-free images per digit from the base, score them with the
     reward classifier, write PNGs and ``pairs.jsonl`` (prompt, chosen, rejected; paths relative
-    to it). Returns the manifest."""
+    to it). Returns the manifest.
+
+    ``chosen_guidance``: also sample ``per_digit`` images per digit with that CFG scale from other
+    seeds; the chosen side is then ranked over both pools (the reward picks; guided samples win
+    more often), the rejected side stays the guidance-free samples'. As preference data is made
+    in practice (candidates from several sampler settings, a judge picks), and what DPO then
+    teaches the guidance-free model is what guidance bought."""
     import torch
     from PIL import Image
 
@@ -192,6 +192,11 @@ def make_pairs(base_dir: Path, folder: Path, reward: Path, per_digit: int, sampl
     # Seeds apart from the evaluation's (proving_ground samples from seed 0): DPO never sees those images.
     images, labels = generate(base_dir, list(DIGITS), per_digit, guidance=0.0, steps=sampling_steps, seed=seed + 500,
                               device=device, resolution=resolution)
+    free = len(labels)
+    if chosen_guidance is not None:
+        guided, guided_labels = generate(base_dir, list(DIGITS), per_digit, guidance=chosen_guidance, steps=sampling_steps,
+                                         seed=seed + 700, device=device, resolution=resolution)
+        images, labels = np.concatenate([images, guided]), np.concatenate([labels, guided_labels])
     with torch.no_grad():
         scores = DigitReward(str(reward))(to_tensor(images), [caption(d) for d in labels], [{} for _ in labels])
     scores = scores.numpy()
@@ -199,9 +204,10 @@ def make_pairs(base_dir: Path, folder: Path, reward: Path, per_digit: int, sampl
     rows = []
     for digit in DIGITS:
         index = np.flatnonzero(np.asarray(labels) == digit)
-        ranked = index[np.argsort(-scores[index], kind="stable")]
-        for rank in range(len(ranked) // 2):
-            chosen, rejected = ranked[rank], ranked[-1 - rank]
+        best = index[np.argsort(-scores[index], kind="stable")]
+        worst = [i for i in best[::-1] if i < free]  # guidance-free samples, worst first
+        for rank in range(per_digit // 2):
+            chosen, rejected = best[rank], worst[rank]
             names = []
             for kind, i in (("chosen", chosen), ("rejected", rejected)):
                 name = f"{digit}_{rank}_{kind}.png"
@@ -230,7 +236,8 @@ def run_grpo(base_dir, work_dir, quick: bool, device: str = "cpu", *, reward: Pa
         "noise_level": s["noise"], "clip_range": s["clip"], "kl_weight": s["kl"],
         # A random window of sde_steps explores and is trained, the ODE elsewhere: the cost of a
         # step scales with the window, not with the sampler's step count.
-        "sde_steps": min(s["sde_steps"], sampling_steps), "updates_per_rollout": s["updates"],
+        "sde_steps": min(s["sde_steps"], sampling_steps), "sde_window_start": s.get("sde_window_start"),
+        "updates_per_rollout": s["updates"],
         "rewards": [{"function": "proving.rewards:DigitReward", "options": reward_options(reward, judge, log)}],
         "eval_every_n_steps": s["eval_every"], "eval_seeds": s["eval_seeds"],
     }

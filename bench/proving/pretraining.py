@@ -4,7 +4,9 @@ Qwen3-VL), ``krea2 pretrain`` over the stages (WSD schedule per stage, most step
 resolution), ``krea2 export`` of chosen checkpoints, and a model folder ``Krea2Pipeline.from_pretrained``
 loads (that transformer + the bench's VAE + the tiny text encoder and the real Qwen tokenizer).
 
-Every command runs as its own process, as a user would run it (:func:`krea2`).
+Every command runs as its own process, as a user would run it (:func:`krea2`); ``--quick`` runs
+them in the bench's process instead (:data:`IN_PROCESS`: the same ``krea2`` entry point and
+arguments, without paying ~7 s of torch / diffusers / peft imports per command in CI).
 """
 
 from __future__ import annotations
@@ -57,9 +59,16 @@ class PretrainResult:
     checkpoints: list[int] = field(default_factory=list)
 
 
+IN_PROCESS = False
+"""Run :func:`krea2` commands through ``krea2_diffusers.cli.main`` in this process (set by ``--quick``)."""
+
+
 def krea2(*args: str, device: str = "cpu", log: Path | None = None) -> None:
-    """Run ``krea2 ARGS`` in its own process from this checkout (``python -m krea2_diffusers.cli``), its
-    output appended to ``log``; a failure raises with the output's tail."""
+    """Run ``krea2 ARGS`` in its own process from this checkout (``python -m krea2_diffusers.cli``), or
+    in this one when :data:`IN_PROCESS`; its output appended to ``log``; a failure raises with the
+    output's tail."""
+    if IN_PROCESS:
+        return krea2_in_process(args, log)
     # bench/ too: krea2 posttrain imports the bench's reward plug-in (proving.rewards).
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")])}
     if device == "cpu":
@@ -71,6 +80,26 @@ def krea2(*args: str, device: str = "cpu", log: Path | None = None) -> None:
             handle.write(f"$ krea2 {' '.join(args)}\n{done.stdout}{done.stderr}\n")
     if done.returncode != 0:
         raise RuntimeError(f"krea2 {' '.join(args)} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+
+
+def krea2_in_process(args: tuple[str, ...], log: Path | None) -> None:
+    """:func:`krea2` in this process: the CLI's ``main(args)``, its output captured the same way."""
+    import contextlib
+    import io
+
+    from krea2_diffusers.cli import main
+
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+        try:
+            code = main(list(args))
+        except SystemExit as exit:
+            code = exit.code
+    if log is not None:
+        with open(log, "a") as handle:
+            handle.write(f"$ krea2 {' '.join(args)}  (in process)\n{output.getvalue()}\n")
+    if code not in (0, None):
+        raise RuntimeError(f"krea2 {' '.join(args)} failed ({code}):\n{output.getvalue()[-4000:]}")
 
 
 def write_packs(images, labels, work_dir: Path, stages: list[Stage], log: Path | None = None) -> dict[str, Path]:
