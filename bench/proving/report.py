@@ -116,6 +116,24 @@ def checks(stages: dict[str, dict], vae: dict, classifier: dict) -> list[tuple[s
     return out
 
 
+def contact_sheet(out_dir: Path, names, columns: int = 4, cell: int = 32):
+    """Every stage's first ``columns`` samples of each digit side by side, ``cell`` px each (ten rows,
+    0 at the top, the stage's name above its block), as one small palette PNG-able PIL image: the
+    README's figure (the per-stage grids are full size)."""
+    from PIL import Image, ImageDraw
+
+    gap, label = 8, 12
+    names = [n for n in names if (Path(out_dir) / "samples" / n).is_dir()]
+    block = columns * cell
+    sheet = Image.new("RGB", (len(names) * (block + gap) - gap, label + 10 * cell), (255, 255, 255))
+    draw = ImageDraw.Draw(sheet)
+    for i, name in enumerate(names):
+        grid = sample_grid(Path(out_dir) / "samples" / name, columns)
+        sheet.paste(grid.resize((block, 10 * cell), Image.Resampling.BOX), (i * (block + gap), label))
+        draw.text((i * (block + gap), 0), name, fill=(0, 0, 0))
+    return sheet
+
+
 def fmt(value, digits: int = 3) -> str:
     if value is None:
         return "-"
@@ -170,6 +188,11 @@ def write_report(out_dir, stages: dict[str, dict], vae: dict, classifier: dict, 
             with atomic_path(grid_path) as tmp:
                 sample_grid(folder).save(tmp, format="PNG")
             lines += [f"### {name}", "", f"![{name}](grids/{name}.png)", ""]
+    if names and (out_dir / "samples").is_dir():
+        with atomic_path(out_dir / "grids" / "all.png") as tmp:
+            contact_sheet(out_dir, names).quantize(64).save(tmp, format="PNG", optimize=True)
+        at = lines.index("## Samples (one row per digit, 0 at the top)") + 1
+        lines[at:at] = ["", "Every stage at a glance (four samples per digit, 32 px): ![all stages](grids/all.png)"]
     report = out_dir / "report.md"
     with atomic_write(report, "w") as handle:
         handle.write("\n".join(lines) + "\n")
