@@ -1,6 +1,7 @@
 """Post-training and distillation stages of the proving ground, each through ``krea2 posttrain``.
 
-DPO (pairs of the base's own guidance-free samples, chosen / rejected by the reward classifier),
+DPO (pairs ranked by the reward classifier: rejected from the base's guidance-free samples,
+chosen from those and, with ``chosen_guidance``, the base's CFG samples),
 GRPO and DRaFT (the reward plug-in :class:`proving.rewards.DigitReward`) and TDM (a 4-step
 student). Every stage writes its config as YAML into ``work_dir`` (so a run can be repeated by
 hand with ``krea2 posttrain``), runs the product's CLI in its own process with ``bench/`` on
