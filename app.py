@@ -9,15 +9,21 @@ The generate function is also an API endpoint, ``/generate`` (prompt first), e.g
 ``Client("http://127.0.0.1:7860").predict("a red fox in snow", api_name="/generate")``.
 Request limits and input checks come from ``krea2_diffusers.limits``; loading, generating and
 saving (``Demo``) live here, with the UI; the Train tab (``/train_caption``, ``/train_plan``,
-``/train_start``, ``/train_status``, ``/train_stop``, ``/train_resume``) is the ``train_tab`` package.
+``/train_start``, ``/train_status``, ``/train_stop``, ``/train_resume``, ``/train_sample_now``,
+``/train_save_now``, ``/train_export_step``) is the ``train_tab`` package.
 The Train tab reads images and base models only inside the data roots (``--data-root``, repeatable;
-default: the runs folder's parent) and Gradio's upload folder: check them before ``--share``.
+default: the runs folder's parent) and the app's own upload folder (a private temporary folder, not
+Gradio's shared ``<temp>/gradio``): check them before ``--share``. Relative paths (``--model``,
+``--raw-model``, ``--text-encoder``, ``--vae``, and the folders a request names) are taken from the
+folder the app is started in, and the Train tab writes them absolute into each run's ``train.yaml``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import shutil
 import tempfile
 import threading
 import time
@@ -37,7 +43,8 @@ from krea2_diffusers.limits import (
 )
 from krea2_diffusers.pipelines.memory import MEMORY_PRESETS, apply_memory_preset
 from krea2_diffusers.metadata import save_png
-from krea2_diffusers.presets import looks_distilled, preset_for
+from krea2_diffusers.caching.apply import step_cache
+from krea2_diffusers.presets import CACHE_METHODS, looks_distilled, preset_for
 from krea2_diffusers.models.tiny import is_tiny
 from train_tab.actions import TrainActions
 from train_tab.roots import DataRoots
@@ -122,11 +129,10 @@ class Demo:
 
     def use_lora(self, path: str) -> None:
         """Apply a trained LoRA (in place of the previous one) to every model, loaded now or later."""
-        from krea2_diffusers.loaders.lora import remove_lora
-
         with self._lock:
             for pipe in self._loaded.values():
-                remove_lora(pipe.transformer, self.TRAINED_ADAPTER)
+                if self.TRAINED_ADAPTER in pipe.get_list_adapters().get("transformer", []):
+                    pipe.delete_adapters(self.TRAINED_ADAPTER)
                 pipe.load_lora_weights(path, adapter_name=self.TRAINED_ADAPTER)
             self.trained_lora = str(path)
 
@@ -152,9 +158,10 @@ class Demo:
                 progress(step + 1, steps)
             return tensors
 
-        output = pipe(prompt, negative_prompt=request.negative_prompt or "", width=width, height=height,
-                      num_inference_steps=steps, guidance_scale=guidance,
-                      generator=torch.Generator().manual_seed(int(request.seed)), callback_on_step_end=on_step, **extra)
+        with step_cache(pipe, request.cache, num_inference_steps=steps, threshold=request.cache_threshold):
+            output = pipe(prompt, negative_prompt=request.negative_prompt or "", width=width, height=height,
+                          num_inference_steps=steps, guidance_scale=guidance, guidance_interval=request.guidance_interval,
+                          generator=torch.Generator().manual_seed(int(request.seed)), callback_on_step_end=on_step, **extra)
         image = output.images[0]
         settings = {
             "prompt": request.prompt, "negative_prompt": request.negative_prompt or "", "seed": int(request.seed),
@@ -168,6 +175,10 @@ class Demo:
             settings.update(creativity=request.creativity, expanded_prompt=expanded)
         if request.style_images:
             settings.update(style_strengths=[float(s) for s in request.style_strengths], style_mode=request.style_mode)
+        if request.cache != "none":
+            settings.update(cache=request.cache, cache_threshold=request.cache_threshold)
+        if request.guidance_interval is not None:
+            settings["guidance_interval"] = list(request.guidance_interval)
         return Result(image, self._save(image, settings), settings, expanded)
 
     def _save(self, image, settings: dict) -> Path:
@@ -196,7 +207,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--runs-dir", default="runs", help="the Train tab's runs folder (one folder per run)")
     p.add_argument("--data-root", action="append", default=[], metavar="DIR",
                    help="Train tab: a folder whose images and base models requests may name (repeatable; default: the "
-                        "runs folder's parent); uploads (Gradio's upload folder) are always allowed")
+                        "runs folder's parent); uploads (the app's own upload folder) are always allowed")
     p.add_argument("--train-gpu-memory", type=float, default=None, metavar="GIB",
                    help="Train tab: plan for a card of this many GiB (default: the GPU found, else the preset's card)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 to serve your network)")
@@ -237,14 +248,33 @@ def make_demo(args) -> Demo:
     return demo
 
 
-def gradio_upload_folder() -> Path:
-    """Where Gradio stores uploaded files (``$GRADIO_TEMP_DIR``, else ``<temp>/gradio``), created now
-    so it can be a data root before the first upload."""
-    from gradio.utils import get_upload_folder
+def private_upload_folder() -> tuple[Path, bool]:
+    """Where Gradio stores this app's uploads, a data root of the Train tab: the operator's
+    ``$GRADIO_TEMP_DIR`` as it is, else a fresh temporary folder of this app's own, set as
+    ``GRADIO_TEMP_DIR`` before any Blocks or server reads it. Gradio's default, ``<temp>/gradio``, is
+    shared by every Gradio app on the machine: as a root it would open other apps' uploads to this
+    app's requests, uploads used or not. Returns (folder, made here: removed when the app exits)."""
+    given = os.environ.get("GRADIO_TEMP_DIR")
+    if given:
+        folder = Path(given)
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder, False
+    folder = Path(tempfile.mkdtemp(prefix="krea2-app-uploads-"))
+    os.environ["GRADIO_TEMP_DIR"] = str(folder)
+    return folder, True
 
-    folder = Path(get_upload_folder())
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
+
+def local_names(args: argparse.Namespace) -> argparse.Namespace:
+    """The model arguments that name local files or folders made absolute, once, from the folder the
+    app was started in (:func:`finetune.config_paths.resolve_name`: hub ids and ``tiny-random`` stay as
+    given), so the Train tab writes them into a run's ``train.yaml`` as the same files."""
+    from finetune.config_paths import resolve_name
+
+    for name in ("model", "raw_model", "text_encoder", "vae"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(args, name, resolve_name(value, Path.cwd()))
+    return args
 
 
 def use_trained_lora(demo: Demo, path: str) -> str:
@@ -260,8 +290,10 @@ def build_ui(demo: Demo, train=None) -> gr.Blocks:
     def generate(prompt, negative_prompt="", model=variants[0], creativity="raw", size=next(iter(demo.sizes)),
                  steps=preset.num_inference_steps, guidance=preset.guidance_scale, seed=0, randomize_seed=False,
                  image_1=None, strength_1=1.0, image_2=None, strength_2=1.0, image_3=None, strength_3=1.0,
-                 image_4=None, strength_4=1.0, style_mode=STYLE_MODES[0], progress=gr.Progress()):
-        """Generate one image; returns (image with settings, PNG file, settings, expanded prompt, seed used)."""
+                 image_4=None, strength_4=1.0, style_mode=STYLE_MODES[0], cache="none", cache_threshold=None,
+                 guidance_low=0.0, guidance_high=1.0, progress=gr.Progress()):
+        """Generate one image; returns (image with settings, PNG file, settings, expanded prompt, seed used).
+        ``cache_threshold`` None or < 0: the preset's; guidance interval (0, 1): every step."""
         pairs = [(image_1, strength_1), (image_2, strength_2), (image_3, strength_3), (image_4, strength_4)]
         seed = random_seed() if randomize_seed else int(seed if seed is not None else 0)
         request = Request(
@@ -269,6 +301,8 @@ def build_ui(demo: Demo, train=None) -> gr.Blocks:
             steps=None if steps is None else int(steps), guidance=None if guidance is None else float(guidance), seed=seed,
             creativity=creativity or "raw", style_images=[i for i, _ in pairs if i is not None],
             style_strengths=[s for i, s in pairs if i is not None], style_mode=style_mode or STYLE_MODES[0],
+            cache=cache or "none", cache_threshold=None if cache_threshold is None or cache_threshold < 0 else float(cache_threshold),
+            guidance_interval=None if (guidance_low, guidance_high) == (0.0, 1.0) else (float(guidance_low), float(guidance_high)),
         )
         try:
             result = demo.generate(request, progress=lambda step, total, what="Sampling": progress((step, total), desc=what, unit="steps"))
@@ -308,6 +342,18 @@ def build_ui(demo: Demo, train=None) -> gr.Blocks:
                                     references.append(gr.Image(type="pil", label=f"Reference {i + 1}", height=160))
                                     references.append(gr.Slider(0, 2, value=1, step=0.05, label="Strength",
                                                                 info="0 = ignored, 1 = plain reference"))
+                        with gr.Accordion("Speed", open=False):
+                            cache = gr.Dropdown(list(CACHE_METHODS), value="none", label="Step cache", elem_id="cache",
+                                                info="Skips transformer work between steps: faster, slightly different images. "
+                                                     "fbcache / taylorseer / magcache: diffusers' hooks; dbcache: cache-dit.")
+                            cache_threshold = gr.Number(value=None, minimum=0, maximum=100, label="Cache threshold",
+                                                        info="Empty: the preset's (RAW or Turbo). Higher skips more; "
+                                                             "taylorseer: steps per full forward.")
+                            with gr.Row():
+                                guidance_low = gr.Slider(0, 1, value=0.0, step=0.01, label="Guidance from t =",
+                                                         info="Guidance only while the noise level t (1 = noise) is in "
+                                                              "[from, to]; outside, the unconditional pass is skipped.")
+                                guidance_high = gr.Slider(0, 1, value=1.0, step=0.01, label="Guidance to t =")
                     with gr.Column():
                         image = gr.Image(label="Image (its PNG carries the settings)", type="filepath", format="png",
                                          interactive=False, elem_id="result", height=512)
@@ -317,7 +363,8 @@ def build_ui(demo: Demo, train=None) -> gr.Blocks:
 
                 model.change(lambda v: (demo.preset(v).num_inference_steps, demo.preset(v).guidance_scale), model, [steps, guidance],
                              api_visibility="private")
-                button.click(generate, [prompt, negative, model, creativity, size, steps, guidance, seed, randomize, *references, style_mode],
+                button.click(generate, [prompt, negative, model, creativity, size, steps, guidance, seed, randomize, *references, style_mode,
+                                        cache, cache_threshold, guidance_low, guidance_high],
                              [image, png, settings, expanded, seed], api_name="generate", concurrency_limit=1)
             if train is not None:
                 with gr.Tab("Train", id="train"):
@@ -328,11 +375,12 @@ def build_ui(demo: Demo, train=None) -> gr.Blocks:
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    args = local_names(parse_args(argv))
     runs = Runs(args.runs_dir)
     runs.root.mkdir(parents=True, exist_ok=True)
+    uploads, made = private_upload_folder()
     try:  # before the model loads: a mistyped --data-root is told at once
-        roots = DataRoots([*(args.data_root or [runs.root.parent]), gradio_upload_folder()])
+        roots = DataRoots([*(args.data_root or [runs.root.parent]), uploads])
     except ValueError as err:
         raise SystemExit(f"app.py: --data-root: {err}") from None
     from krea2_diffusers.cpu_threads import choose_cpu_threads
@@ -343,14 +391,17 @@ def main(argv=None) -> None:
         print(f"Krea 2 demo: {demo.label()}")
     print(f"Train tab data roots: {roots}")
     train = TrainActions(runs, demo.models.get("RAW", next(iter(demo.models.values()))), captioner_model=args.text_encoder,
-                         gpu_memory_gib=args.train_gpu_memory, roots=roots, models=tuple(demo.models.values()))
+                         gpu_memory_gib=args.train_gpu_memory, roots=roots, models=tuple(demo.models.values()),
+                         text_encoder=args.text_encoder, vae=args.vae)
     ui = build_ui(demo, train)
     ui.queue(max_size=args.max_queue, default_concurrency_limit=1)
     try:
         ui.launch(server_name=args.host, server_port=args.port, share=args.share, show_error=True, ssr_mode=False,
                   max_file_size="20mb", allowed_paths=[str(runs.root)])
     finally:
-        runs.close()  # a run still going saves its checkpoint (Resume continues it next time)
+        runs.close()  # queued runs leave the queue; a run still going saves its checkpoint (Resume continues it)
+        if made:  # a started run trains on its own copies of the uploads (Runs.create)
+            shutil.rmtree(uploads, ignore_errors=True)
 
 
 if __name__ == "__main__":

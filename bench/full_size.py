@@ -25,6 +25,22 @@ roofline (bench/roofline.py: the machine's fp32 / bf16 matmul peaks measured in 
 run's thread count, and the transformer's achieved GFLOPS as a fraction of its dtype's peak; for
 ``train`` estimated from the step time, see ``TRAIN_FLOPS_PER_FORWARD``), and for ``train`` the
 step losses and the exported LoRA files.
+
+Recorded beside them (bench/full_size_record.py), so that two machines' figures can be told apart:
+the compute dtype and why, the threads (torch's counts, ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``,
+the CPUs), the load average, memory, page cache and huge-page mode before and after, how much of
+the checkpoint (and of the GGUF file loaded) was in the page cache before its load, the load's
+seconds and CPU, each quantized layer class's expansion path, and the steady step split into parts
+(``step_split``: generate ``forward`` / ``other``; train ``data`` / ``forward`` / ``backward`` /
+``optimizer`` from the trainer's ``KREA2_STEP_SPLIT`` rows), each with wall, user and system CPU
+seconds and minor page faults: CPU over wall shows idle threads, system time and faults show fresh
+memory being handed out. ``generate`` also times the largest layer of each quantized class against
+the matmul alone on its weight expanded beforehand (``layer_probe``).
+
+``--small``: the same run on a 2-block transformer of the full size's head width (256 wide, SwiGLU
+768: every matrix holds whole Q4_K blocks) reading the tiny text encoder, its checkpoint in the
+temporary folder, written and probed in this process: seconds, for the test of the fields
+(tests/test_full_size_bench.py); its figures mean nothing.
 Everything besides ``--json`` and the checkpoint is written under a temporary folder that is removed.
 Exit 0 only when the run completed.
 """
@@ -39,7 +55,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -48,6 +63,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 sys.path.insert(0, str(ROOT / "bench"))
 
 from roofline import describe  # noqa: E402  (torch-free: this process imports torch only in ``generate``)
+from tree_peak import TreePeak  # noqa: E402
 
 DEFAULT_CHECKPOINT = Path.home() / ".cache" / "krea2-diffusers" / "krea2-full-size-random.safetensors"
 GENERATE_MODES = ("fp8", "int8", "nf4", "Q4_K")
@@ -55,6 +71,12 @@ TRAIN_MODES = ("fp8", "int8", "nf4")
 PROMPT = "a lighthouse on a cliff at dusk, oil painting"
 CLOCK_START = time.monotonic()  # the one clock of the peak sampler and the stamped log lines
 GIB = 1024**3
+# --small: the full size's head width and GQA ratio, 2 blocks, the tiny text encoder's width.
+SMALL_CONFIG = dict(in_channels=64, num_layers=2, attention_head_dim=128, num_attention_heads=2, num_key_value_heads=1,
+                    intermediate_size=768, timestep_embed_dim=256, text_hidden_dim=32, num_text_layers=12,
+                    text_num_attention_heads=2, text_num_key_value_heads=2, text_intermediate_size=64,
+                    num_layerwise_text_blocks=1, num_refiner_text_blocks=1, axes_dims_rope=(32, 48, 48))
+SMALL_PEAK_SIZE = 256  # matmul size of --small's peaks
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -69,99 +91,50 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument("--json", type=Path, default=None)
         p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                        help="compute dtype; auto: the project's policy (bf16 on CUDA and on CPUs with bf16 units)")
+        p.add_argument("--small", action="store_true", help="a 2-block model of the same widths per head (see above)")
     return parser.parse_args(argv)
 
 
-def _memory_field(path: str, field: str) -> int:
-    """``field`` (kB) of /proc/PID/status or smaps_rollup, in bytes; 0 once the process has ended."""
-    try:
-        with open(path) as handle:
-            for line in handle:
-                if line.startswith(field):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass  # the process ended between listing and reading
-    return 0
+def _child_env() -> dict:
+    """This checkout first on the path; ``krea2 train`` logs its steps' split (finetune/trainer.py)."""
+    return dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), KREA2_STEP_SPLIT="1")
 
 
-class TreePeak:
-    """Samples the anonymous memory of this process and all its descendants (every 0.2 s), and
-    reads the kernel's per-process high-water marks, which no sampling interval can miss.
+def _krea2_here(args, log: Path) -> int:
+    """``krea2 ARGS`` run in this process (``--small``: a child's start, torch's imports, took longer
+    than the small run itself), its output and log records written to ``log``; the exit code."""
+    import contextlib
+    import logging
 
-    ``peak`` (sampled): one process: its anonymous RSS. Several (the trainer's data-loader workers
-    are forked after the model is loaded and share its pages copy-on-write, so their RSS repeats
-    the parent's): the sum of each one's proportional share (``Pss_Anon``, shared pages divided
-    among the sharers), which counts every page once; reading it walks the page tables, so only
-    then. A spike shorter than the interval (a dequantized matrix) can fall between two samples.
+    from krea2_diffusers.cli import main as krea2_main
 
-    ``max_hwm`` (exact per process, not a sum): the largest ``VmHWM`` of any process of the tree
-    during the run, i.e. its peak RSS (anonymous and file-backed pages: mapped checkpoint pages
-    count). This process's own at the end; the children's polled each interval (the mark only
-    grows, so a poll misses only a child's last interval) and, for those that ended and were waited
-    for, the kernel's ``ru_maxrss`` of ``RUSAGE_CHILDREN`` (the largest waited-for descendant's peak
-    RSS; it includes children that ended before the run, so it counts only when it grew during it)."""
-
-    def __init__(self, interval: float = 0.2, every: float = 5.0):
-        self.interval, self.peak, self.max_hwm = interval, 0, 0
-        self.peak_at = 0.0  # seconds on CLOCK_START (the child's log lines carry the same clock)
-        self.timeline: list[tuple[float, int]] = []  # (seconds, bytes) every ``every`` s: where the peak sits
-        self._every = every
-        self._done = threading.Event()
-        self._waited_before = 0
-
-    def _tree(self) -> list[int]:
-        import psutil
-
-        me = psutil.Process()
-        return [me.pid] + [c.pid for c in me.children(recursive=True)]
-
-    def _sample(self) -> None:
-        while not self._done.is_set():
-            pids = self._tree()
-            rss = {pid: _memory_field(f"/proc/{pid}/status", "RssAnon:") for pid in pids}
-            self.max_hwm = max([self.max_hwm] + [_memory_field(f"/proc/{pid}/status", "VmHWM:") for pid in pids])
-            if sum(1 for size in rss.values() if size > 64 * 2**20) > 1:
-                total = sum(_memory_field(f"/proc/{pid}/smaps_rollup", "Pss_Anon:") for pid in pids)
-            else:
-                total = sum(rss.values())
-            now = time.monotonic() - CLOCK_START
-            if total > self.peak:
-                self.peak, self.peak_at = total, now
-            if not self.timeline or now - self.timeline[-1][0] >= self._every:
-                self.timeline.append((round(now, 1), total))
-            self._done.wait(self.interval)
-
-    def __enter__(self):
-        self._waited_before = _waited_children_peak()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._done.set()
-        self._thread.join()
-        waited = _waited_children_peak()
-        own = _memory_field("/proc/self/status", "VmHWM:")
-        self.max_hwm = max(self.max_hwm, own, waited if waited > self._waited_before else 0)
+    os.environ["KREA2_STEP_SPLIT"] = "1"
+    root = logging.getLogger()
+    with open(log, "w") as handle, contextlib.redirect_stdout(handle), contextlib.redirect_stderr(handle):
+        handler = logging.StreamHandler(handle)
+        root.addHandler(handler)  # before the CLI's basicConfig, which then adds none of its own
+        try:
+            return krea2_main(list(args))
+        except SystemExit as exit:
+            return exit.code if isinstance(exit.code, int) else 1
+        finally:
+            root.removeHandler(handler)
+            os.environ.pop("KREA2_STEP_SPLIT")
 
 
-def _waited_children_peak() -> int:
-    """Peak RSS (bytes) of the largest descendant that ended and was waited for (Linux: kB)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-
-
-def _krea2(*args: str, log: Path) -> str:
-    """Run ``krea2 ARGS`` (this checkout's) as a child; its output is echoed and returned; a failure exits."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+def _krea2(*args: str, log: Path, here: bool = False) -> str:
+    """Run ``krea2 ARGS`` (this checkout's) as a child (``here``: in this process); its output is
+    echoed and returned; a failure exits."""
     print("$ krea2 " + " ".join(args), flush=True)
-    with open(log, "w") as handle:
-        child = subprocess.Popen([sys.executable, "-m", "krea2_diffusers.cli", *args], stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, env=env, cwd=str(ROOT), text=True, errors="replace")
-        for line in child.stdout:  # each line stamped with TreePeak's clock, to place the peak in the run
-            handle.write(f"[{time.monotonic() - CLOCK_START:8.1f} s] {line}")
-        code = child.wait()
+    if here:
+        code = _krea2_here(args, log)
+    else:
+        with open(log, "w") as handle:
+            child = subprocess.Popen([sys.executable, "-m", "krea2_diffusers.cli", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, env=_child_env(), cwd=str(ROOT), text=True, errors="replace")
+            for line in child.stdout:  # each line stamped with TreePeak's clock, to place the peak in the run
+                handle.write(f"[{time.monotonic() - CLOCK_START:8.1f} s] {line}")
+            code = child.wait()
     text = log.read_text()
     print(text[-4000:], flush=True)
     if code != 0:
@@ -176,42 +149,52 @@ def _plan_bytes(text: str) -> int:
     return int(float(match.group(1)) * GIB)
 
 
-PROBE = """
-import json, sys, torch
-sys.path.insert(0, sys.argv[1])
-from roofline import machine_peaks
-from krea2_diffusers import Krea2Transformer2DModel
-from krea2_diffusers.precision import choose_compute_dtype
-cuda = torch.cuda.is_available()
-chosen = choose_compute_dtype("cuda" if cuda else "cpu")
-with torch.device("meta"):
-    config = dict(Krea2Transformer2DModel().config)
-print(json.dumps(dict(device=torch.cuda.get_device_name() if cuda else "cpu", config=config,
-                      compute_dtype=str(chosen.dtype).removeprefix("torch."), compute_dtype_reason=chosen.reason,
-                      threads=torch.get_num_threads(), **machine_peaks("cuda" if cuda else "cpu"))))
-"""
-
-
-def prepare(checkpoint: Path, text_encoder: Path) -> dict:
+def prepare(args, tmp: Path) -> dict:
     """Write the random checkpoint (when missing) and text encoder in a child, and ask another child
-    for the device the run uses ("cpu" or the GPU's name), the full-size config and the machine's
-    matmul peaks (bench/roofline.py; default threads, as the run's): this process then holds no
-    torch heap of its own (building the random text encoder left ~1.3 GiB resident here, which the
-    tree's peak counted on top of the ``krea2 train`` child it measures)."""
-    subprocess.run([sys.executable, str(ROOT / "bench" / "full_size_models.py"), str(checkpoint), str(text_encoder)],
-                   check=True)
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, "-c", PROBE, str(ROOT / "bench")], check=True, capture_output=True,
-                          text=True, env=env)
+    (bench/full_size_record.py's ``machine_probe``) for the device, the config, the compute dtype and
+    why, the threads and the matmul peaks: this process then holds no torch heap of its own
+    (building the random text encoder left ~1.3 GiB resident here, which the tree's peak counted on
+    top of the ``krea2 train`` child it measures). ``--small`` does both here: its figures are not
+    what it is for."""
+    quantize = args.quantize if args.mode == "train" else None
+    if args.small:
+        from full_size_models import write_random_checkpoint
+        from full_size_record import machine_probe
+
+        write_random_checkpoint(args.checkpoint, SMALL_CONFIG)
+        return machine_probe(SMALL_CONFIG, SMALL_PEAK_SIZE, quantize, args.dtype)
+    subprocess.run([sys.executable, str(ROOT / "bench" / "full_size_models.py"), str(args.checkpoint),
+                    str(args.text_encoder)], check=True)
+    call = f"machine_probe(None, None, {quantize!r}, {args.dtype!r})"
+    code = f"import json, sys; sys.path.insert(0, sys.argv[1]); from full_size_record import machine_probe; print(json.dumps({call}))"
+    done = subprocess.run([sys.executable, "-c", code, str(ROOT / "bench")], check=True, capture_output=True,
+                          text=True, env=_child_env())
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _steady_split(stamps: list, forwards: list) -> tuple[float, dict]:
+    """Seconds per steady step and its split, from the Usage at each step's end (``stamps[0]``: the
+    run's start) and each transformer call's Usage (``forwards``). The first step also pays one-time
+    costs: the later ones are the steady figure (the first alone when there is one)."""
+    from krea2_diffusers.cpu_usage import Usage
+
+    steps = [b - a for a, b in zip(stamps, stamps[1:])]
+    per_step = max(1, len(forwards) // len(steps))
+    calls = [sum(forwards[i * per_step:(i + 1) * per_step], Usage()) for i in range(len(steps))]
+    first = 1 if len(steps) > 1 else 0
+    n = len(steps) - first
+    step, forward = sum(steps[first:], Usage()) / n, sum(calls[first:], Usage()) / n
+    return step.wall, {"forward": forward.as_dict(), "other": (step - forward).as_dict()}
 
 
 def generate(args, tmp: Path, device: str, machine: dict) -> dict:
     """One image in this process: plan, streamed quantized load, ``steps`` denoising steps."""
     import torch
+    from full_size_record import dequant_paths, layer_probe, page_cache
     from roofline import TransformerMeter, roofline
 
     from krea2_diffusers import Krea2Pipeline, Krea2Transformer2DModel
+    from krea2_diffusers.cpu_usage import Usage
     from krea2_diffusers.loaders.assembly import load_pipeline
     from krea2_diffusers.pipelines.host_memory import host_ram, plan_host_memory
     from krea2_diffusers.pipelines.memory import release_text_encoder
@@ -221,38 +204,44 @@ def generate(args, tmp: Path, device: str, machine: dict) -> dict:
     model, quantization = args.checkpoint, args.quantize
     if args.quantize == "Q4_K":
         model, quantization = tmp / "krea2-Q4_K.gguf", None
-        _krea2("quantize", str(args.checkpoint), str(model), "--type", "Q4_K", log=tmp / "quantize.log")
+        _krea2("quantize", str(args.checkpoint), str(model), "--type", "Q4_K", log=tmp / "quantize.log", here=args.small)
     tokens = (args.resolution // 16) ** 2 + len(PROMPT.split()) * 2
-    plan = plan_host_memory(model, quantization, dtype, text_encoder=tmp / "text_encoder", vae=None, tokens=tokens,
+    plan = plan_host_memory(model, quantization, dtype, text_encoder=args.text_encoder, vae=None, tokens=tokens,
                             release_text_encoder=True)
     print(plan.render(host_ram(), []), flush=True)
     # As a 24 GB machine runs it: encode the prompt, drop the text encoder, then stream the transformer in.
-    pipe = load_pipeline(Krea2Pipeline, str(model), text_encoder=str(tmp / "text_encoder"), vae="tiny-random",
+    pipe = load_pipeline(Krea2Pipeline, str(model), text_encoder=str(args.text_encoder), vae="tiny-random",
                          torch_dtype=dtype, transformer=None)
     embeds, mask = pipe.encode_prompt([PROMPT], device=device)
     release_text_encoder(pipe)
-    start = time.perf_counter()
+    cache = page_cache(model)  # the file the transformer is read from, just before
+    before = Usage.now()
     pipe.register_modules(transformer=Krea2Transformer2DModel.from_single_file(
         model, torch_dtype=dtype, quantization=quantization, device=device if device != "cpu" else None))
-    print(f"transformer loaded in {time.perf_counter() - start:.0f} s", flush=True)
-    stamps = []
+    load = Usage.now() - before
+    print(f"transformer loaded in {load.wall:.0f} s ({100 * cache['resident_fraction']:.0f}% of "
+          f"{Path(model).name} in the page cache before)", flush=True)
+    stamps = [Usage.now()]
 
     def on_step(pipe, step, timestep, kwargs):
-        stamps.append(time.perf_counter())
-        print(f"step {step + 1}/{args.steps} at {stamps[-1] - start:.0f} s", flush=True)
+        stamps.append(Usage.now())
+        print(f"step {step + 1}/{args.steps} at {stamps[-1].wall - stamps[0].wall:.0f} s", flush=True)
         return kwargs
 
-    start = time.perf_counter()
     with TransformerMeter(pipe.transformer) as meter:
         image = pipe(prompt_embeds=embeds, prompt_embeds_mask=mask, height=args.resolution, width=args.resolution,
                      num_inference_steps=args.steps, guidance_scale=0.0, generator=torch.Generator(device).manual_seed(0),
                      callback_on_step_end=on_step).images[0]
     image.save(tmp / "image.png")
-    # the first step also pays one-time costs: the later ones are the steady figure
-    steps = [b - a for a, b in zip(stamps, stamps[1:])] or [stamps[0] - start]
+    seconds, split = _steady_split(stamps, meter.usages)
+    forward = meter.usages[-1]
+    peaks = roofline(meter.flops, meter.seconds, pipe.transformer.compute_dtype, machine)
     return dict(plan_host_bytes=plan.total, quantized_transformer_bytes=resident_bytes(pipe.transformer),
-                seconds_per_step=sum(steps) / len(steps),
-                **roofline(meter.flops, meter.seconds, pipe.transformer.compute_dtype, machine))
+                seconds_per_step=seconds, step_split=split, load_seconds=load.wall, load_usage=load.as_dict(),
+                page_cache_before_load={str(model): cache}, dequant_paths=dequant_paths(pipe.transformer),
+                layer_probe=layer_probe(pipe.transformer, tokens, dtype),
+                gflops_per_busy_thread=meter.flops / meter.calls / forward.user / 1e9 if forward.user else 0.0,
+                **peaks)
 
 
 TRAIN_CONFIG = """
@@ -295,12 +284,12 @@ def train(args, tmp: Path, device: str, machine: dict) -> dict:
 
     out = tmp / "run"
     config = tmp / "train.yaml"
-    config.write_text(TRAIN_CONFIG.format(out=out, checkpoint=args.checkpoint, text_encoder=tmp / "text_encoder",
+    config.write_text(TRAIN_CONFIG.format(out=out, checkpoint=args.checkpoint, text_encoder=args.text_encoder,
                                           dtype=args.dtype, mixed_precision="bf16" if args.dtype == "bfloat16" else "no",
                                           quantize=args.quantize,
                                           resolution=args.resolution, steps=args.steps, text_tokens=TRAIN_TEXT_TOKENS))
-    plan = _plan_bytes(_krea2("train", str(config), "--dry-run", log=tmp / "plan.log"))
-    text = _krea2("train", str(config), log=tmp / "train.log")
+    plan = _plan_bytes(_krea2("train", str(config), "--dry-run", log=tmp / "plan.log", here=args.small))
+    text = _krea2("train", str(config), log=tmp / "train.log", here=args.small)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     losses = [float(r["loss"]) for r in rows]
     if len(losses) != args.steps or not all(l == l and abs(l) != float("inf") for l in losses):
@@ -309,38 +298,72 @@ def train(args, tmp: Path, device: str, machine: dict) -> dict:
     if not exports:
         raise SystemExit(f"no LoRA export under {out}")
     quantized = int(re.search(r"transformer: (\d+) bytes", text).group(1))
+    load = float(re.search(r"transformer loaded in ([\d.]+) s", text).group(1))
     # the first step also builds the optimizer state and warms up: the last step is the steady one
     seconds = float(rows[-1]["step_time"])
+    split = rows[-1]["step_split"]
+    busy = sum(split[part]["user"] for part in ("forward", "backward"))
     # text counted at max_sequence_length, as the dry-run plan does (an upper bound for shorter prompts)
     config, image_tokens = machine["config"], (args.resolution // 16) ** 2
     flops = TRAIN_FLOPS_PER_FORWARD * (step_flops(config, image_tokens, TRAIN_TEXT_TOKENS)
                                        + conditioning_flops(config, TRAIN_TEXT_TOKENS))
     dtype = args.dtype
     return dict(plan_host_bytes=plan, quantized_transformer_bytes=quantized, seconds_per_step=seconds,
+                step_split=split, load_seconds=load, dequant_paths=machine["dequant_paths"],
+                gflops_per_busy_thread=flops / busy / 1e9 if busy else 0.0,
                 losses=losses, exports=exports, **roofline(flops, seconds, dtype, machine))
 
 
+def _print_split(result: dict) -> None:
+    parts = result["step_split"]
+    total = sum(part["wall"] for part in parts.values())
+    print(f"step {result['seconds_per_step']:.2f} s = " + " + ".join(
+        f"{name} {part['wall']:.2f} (user {part['user']:.2f}, sys {part['system']:.2f}, {part['minor_faults']:.0f} faults)"
+        for name, part in parts.items()) + f" = {total:.2f} s; {result['gflops_per_busy_thread']:.1f} GFLOPS per busy thread")
+    for key, entry in result["dequant_paths"].items():
+        probe = result.get("layer_probe", {}).get(key)
+        timing = (f": {probe['layer']} {probe['forward_wall'] * 1e3:.0f} ms ({probe['forward_gflops']:.0f} GFLOPS), matmul "
+                  f"alone {probe['matmul_wall'] * 1e3:.0f} ms, expansion {100 * probe['expansion_share']:.0f}%") if probe else ""
+        print(f"  {key}{' x ' + str(entry['layers']) if 'layers' in entry else ''}: {entry['path']}{timing}")
+
+
 def main(argv=None) -> int:
+    from full_size_record import machine_state, page_cache
+
     args = parse_args(argv)
-    args.checkpoint = args.checkpoint.resolve()
+    if args.small:  # its matrices take microseconds: a second thread only synchronises (krea2_diffusers/cpu_threads.py)
+        import torch
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="krea2-full-size-"))
+    args.checkpoint = (tmp / "krea2-small-random.safetensors" if args.small else args.checkpoint).resolve()
+    args.text_encoder = "tiny-random" if args.small else tmp / "text_encoder"
     try:
-        machine = prepare(args.checkpoint, tmp / "text_encoder")
+        machine = prepare(args, tmp)
         device = "cpu" if machine["device"] == "cpu" else "cuda"
-        if args.dtype == "auto":
-            args.dtype = machine["compute_dtype"]
-            print(f"compute dtype: {args.dtype} ({machine['compute_dtype_reason']})", flush=True)
-        with TreePeak() as peak:
+        args.dtype = machine["compute_dtype"]
+        print(f"compute dtype: {args.dtype} ({machine['compute_dtype_reason']}); threads {machine['threads']}", flush=True)
+        state, cache = machine_state(), page_cache(args.checkpoint)
+        print(f"before the run: load average {state['load_average']}, {state['meminfo'].get('MemAvailable', 0) / GIB:.1f} GiB "
+              f"available, {100 * cache['resident_fraction']:.0f}% of the checkpoint in the page cache", flush=True)
+        with TreePeak(clock_start=CLOCK_START) as peak:
             result = (generate if args.mode == "generate" else train)(args, tmp, device, machine)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if args.small:
+            torch.set_num_threads(threads)
     result = dict(peak_host_bytes=peak.peak, max_hwm_bytes=peak.max_hwm, device=machine["device"],
-                  threads=machine["threads"], compute_dtype=args.dtype, **result)
+                  threads=machine["threads"], compute_dtype=args.dtype, compute_dtype_reason=machine["compute_dtype_reason"],
+                  small=args.small, machine_before=state, machine_after=machine_state(),
+                  page_cache_checkpoint_at_start=cache, **result)
     print(json.dumps(result, indent=2))
     result.update(peak_at_seconds=peak.peak_at, host_timeline=peak.timeline)
     print(f"{args.mode} {args.quantize}: peak host {peak.peak / GIB:.2f} GiB sampled, {peak.max_hwm / GIB:.2f} GiB "
           f"largest process high-water mark (plan {result['plan_host_bytes'] / GIB:.2f}), "
-          f"quantized transformer {result['quantized_transformer_bytes'] / GIB:.2f} GiB, {result['seconds_per_step']:.1f} s/step")
+          f"quantized transformer {result['quantized_transformer_bytes'] / GIB:.2f} GiB, {result['seconds_per_step']:.1f} s/step, "
+          f"load {result['load_seconds']:.0f} s ({100 * cache['resident_fraction']:.0f}% of the checkpoint cached at the start)")
+    _print_split(result)
     print(describe(result, args.dtype))
     if args.json:
         from krea2_diffusers.files import atomic_write

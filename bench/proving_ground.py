@@ -2,13 +2,17 @@
 """The proving ground (issue 32): a Krea 2 of the real architecture, CPU-sized, trained from scratch on
 scikit-learn's real handwritten digits with this project's own commands, then measured stage by stage.
 
-    python bench/proving_ground.py --out DIR [--quick] [--json OUT] [--device cpu|cuda] [--resume]
+    python bench/proving_ground.py --out DIR [--seed S] [--quick] [--json OUT] [--device cpu|cuda] [--resume]
 
-Stages: data + the evaluation classifier (judge) + the reward classifier; the autoencoder (the bench's
-one training loop); ``krea2 pack`` + ``krea2 pretrain`` (two resolution stages, WSD) and the model
-folder; the concept LoRA (``krea2 train``); DPO, GRPO, DRaFT and the TDM student (``krea2 posttrain``);
-samples of every stage through ``Krea2Pipeline``; ``DIR/report.md`` and the JSON. See the README's
-"Proving ground" section for the measured full run.
+Stages: data + the evaluation classifier (judge) and the reward classifier, on disjoint halves of the
+training scans, with the attack-transfer figure; the autoencoder (the bench's one training loop);
+``krea2 pack`` + ``krea2 pretrain`` (two resolution stages, WSD) and the model folder; the base's
+CFG sweep (its accuracy / FD frontier); the concept LoRA (``krea2 train``: the tuned config, a
+user's config at the defaults, the same with EMA); the edit LoRA on real pairs; DPO, GRPO, DRaFT
+(``krea2 posttrain``, each checkpoint on a curve, one chosen by a stated rule) and the TDM student;
+samples of every stage through ``Krea2Pipeline``; ``DIR/report.md`` and the JSON. Every seed follows
+``--seed`` (:mod:`proving.seeds`); the report's samples use seeds no tuning run used. See the
+README's "Proving ground" section for the measured full runs.
 
 ``--resume`` reuses what an interrupted run in DIR finished (the VAE, packs, pretraining run, model
 folders); without it DIR must be new or empty.
@@ -29,7 +33,9 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(ROOT))
 
-from proving.lora import LoraSpec  # noqa: E402
+from proving.edit import EditSpec  # noqa: E402
+from proving.frontier import CFG_SCALES  # noqa: E402
+from proving.lora import LoraSpec, UserLoraSpec  # noqa: E402
 from proving.pretraining import PretrainSpec, Stage  # noqa: E402
 
 RESOLUTION = 64
@@ -48,6 +54,9 @@ class Settings:
     vae_steps: int
     pretrain: PretrainSpec
     lora: LoraSpec
+    lora_user: UserLoraSpec
+    """``lora_default`` / ``lora_ema``: the concept through a user's config (:func:`proving.lora.user_lora_config`)."""
+    edit: EditSpec
     per_digit: int
     """Samples per digit and stage."""
     guidance: float
@@ -59,6 +68,11 @@ class Settings:
     """Pretrain on the first N scans of the training split (None: all 1,437)."""
     min_posttrain_error: float = 0.10
     """Post-training starts from the latest checkpoint whose guidance-free error is at least this."""
+    vae_learning_rate: float = 1e-3
+    vae_stats_images: int | None = None
+    """The VAE's latent statistics from this many training images (None: all)."""
+    cfg_scales: tuple = CFG_SCALES
+    """The base's CFG sweep (besides guidance 0): its accuracy / FD frontier."""
 
 
 FULL = Settings(
@@ -70,13 +84,18 @@ FULL = Settings(
     # measured on the full run's base, accuracy 0.98, concept 0.945, lora_off concept 0.0; without
     # the dropout 0.715 / 1.0 / 0.22 (300 steps), at 2e-3 and 150 steps 0.605 / 1.0 / 0.235.
     lora=LoraSpec(steps=600, batch_size=16, rank=8, learning_rate=1e-3, images=300, concept_caption_dropout=0.2),
+    # Batch 1 (the default): as many images seen as the tuned LoRA's 600 x 16 would take 9,600 steps.
+    lora_user=UserLoraSpec(steps=2000, learning_rate=1e-3, rank=8, caption_dropout=0.2, images=300),
+    edit=EditSpec(steps=600, learning_rate=2e-3, rank=16, batch_size=8, pairs=300, per_digit=10),
     per_digit=20, guidance=3.0, sampling_steps=16, judge_epochs=40,
 )
 QUICK = Settings(
-    vae_steps=60,
+    vae_steps=40, vae_learning_rate=3e-3, vae_stats_images=256,
     pretrain=PretrainSpec(stages=[Stage("s32", 32, 40, 16), Stage("s64", 64, 10, 16)], architecture=ARCHITECTURE,
                           learning_rate=2e-3, warmup_steps=5, checkpoint_every=25),
-    lora=LoraSpec(steps=60, batch_size=8, rank=8, learning_rate=6e-3, images=64),
+    lora=LoraSpec(steps=30, batch_size=8, rank=8, learning_rate=1e-2, images=64),
+    lora_user=UserLoraSpec(steps=6, learning_rate=6e-3, rank=4, caption_dropout=0.2, images=16),
+    edit=EditSpec(steps=4, learning_rate=5e-3, rank=4, batch_size=2, pairs=16, per_digit=1),
     per_digit=2, guidance=3.0, sampling_steps=8, judge_epochs=5, pretrain_images=256,
 )
 STAGE_WHAT = {
@@ -84,6 +103,13 @@ STAGE_WHAT = {
     "base": "pretrained, CFG",
     "lora": "concept LoRA (krea2 train), trigger in the prompt",
     "lora_off": "same LoRA loaded, prompt without the trigger",
+    "lora_off_nocfg": "same LoRA loaded, prompt without the trigger, guidance 0",
+    "lora_default": "concept LoRA through a user's config (krea2 train defaults), trigger in the prompt",
+    "lora_default_off": "lora_default loaded, prompt without the trigger",
+    "lora_default_off_nocfg": "lora_default loaded, prompt without the trigger, guidance 0",
+    "lora_ema": "lora_default's config with training.ema at its defaults, trigger in the prompt",
+    "lora_ema_off": "lora_ema loaded, prompt without the trigger",
+    "lora_ema_off_nocfg": "lora_ema loaded, prompt without the trigger, guidance 0",
     "dpo": "krea2 posttrain dpo (LoRA), guidance 0",
     "grpo": "krea2 posttrain grpo (LoRA), guidance 0",
     "draft": "krea2 posttrain draft (LoRA), guidance 0",
@@ -117,98 +143,55 @@ def check_out_dir(out: Path, resume: bool) -> None:
         raise SystemExit(f"--out {out}: not empty; choose a new folder or pass --resume to continue the run in it")
 
 
-def evaluate(judge, images, labels, what: str, steps, seconds, num_inference_steps: int, guidance: float, **extra) -> dict:
-    """One stage's row: the judge's accuracy, FD and diversity plus what produced the samples."""
-    row = {"what": what, "steps": steps, "seconds": None if seconds is None else round(seconds, 1),
-           "num_inference_steps": num_inference_steps, "guidance": guidance, **judge.evaluate(images, labels), **extra}
-    print(f"[proving ground] {what}: accuracy {row['accuracy']:.3f}, FD {row['fd']:.2f}, diversity {row['diversity']:.2f}",
-          flush=True)
-    return row
-
-
-def sample_stage(out: Path, stage: str, settings: Settings, device: str, pipe, steps: int, guidance: float,
-                 trigger: str | None = None):
-    """Sample ``settings.per_digit`` images of every digit with ``pipe`` and save them under DIR/samples/<stage>."""
-    from proving.sampling import generate, save_samples
-
-    images, labels = generate(None, range(10), settings.per_digit, guidance, steps, seed=0, trigger=trigger, device=device,
-                              resolution=RESOLUTION, pipe=pipe)
-    save_samples(out, stage, images, labels)
-    return images, labels
-
-
-def choose_base(out: Path, settings: Settings, run_dir: Path, checkpoints: list[int], vae_dir: Path, judge, device: str,
-                log: Path) -> tuple[Path, dict, tuple]:
-    """The model post-training starts from: the latest checkpoint of the last (final-resolution) stage
-    whose guidance-free error is >= ``settings.min_posttrain_error`` (room to improve, as post-training
-    has on a real model), checking at most three, newest first. Returns its folder (``DIR/models/base``),
-    how it was chosen, and its guidance-free samples (they are ``base_nocfg``'s)."""
-    import shutil
-
-    from krea2_diffusers.files import atomic_write_dir
-    from proving.pretraining import export_model
-    from proving.sampling import load_pipeline
-
-    last_stage_start = sum(s.steps for s in settings.pretrain.stages[:-1])
-    candidates = [c for c in sorted(checkpoints, reverse=True) if c > last_stage_start][:3]
-    tried = []
-    for step in candidates:
-        folder = export_model(run_dir, step, vae_dir, out / "work" / "candidates" / f"step-{step}", log=log) \
-            if not (out / "work" / "candidates" / f"step-{step}").exists() else out / "work" / "candidates" / f"step-{step}"
-        start = time.perf_counter()
-        images, labels = sample_stage(out, "base_nocfg", settings, device, load_pipeline(folder, device), settings.sampling_steps, 0.0)
-        error = 1 - judge.accuracy(images, labels)
-        tried.append({"step": step, "guidance0_error": round(error, 4), "sampling_seconds": round(time.perf_counter() - start, 1)})
-        print(f"[proving ground] checkpoint step-{step}: guidance-0 error {error:.3f}", flush=True)
-        if error >= settings.min_posttrain_error:
-            break
-    chosen = tried[-1]
-    base = out / "models" / "base"
-    if not base.exists():
-        with atomic_write_dir(base) as tmp:
-            shutil.copytree(out / "work" / "candidates" / f"step-{chosen['step']}", tmp, dirs_exist_ok=True)
-    why = (f"latest final-stage checkpoint with guidance-0 error >= {settings.min_posttrain_error}"
-           if chosen["guidance0_error"] >= settings.min_posttrain_error else
-           f"no checkpoint tried had guidance-0 error >= {settings.min_posttrain_error}: the oldest tried")
-    return base, {"checkpoint": f"step-{chosen['step']}", "why": why, "tried": tried}, (images, labels)
-
-
-def run_all(out: Path, settings: Settings, quick: bool, device: str, json_path, clock: Clock) -> dict:
-    """Every stage in order; returns the JSON summary (also written by the report)."""
+def classifiers(splits, settings: Settings, seeds, work: Path) -> tuple:
+    """The judge and the reward on disjoint halves of the training split, their held-out accuracies, the
+    attack-transfer figure and the concept measure on real scans. Returns (judge, reward, blocks)."""
     import numpy as np
-    import torch
 
-    from proving import digits, posttraining, report
-    from proving.autoencoder import load_autoencoder, reconstruct, train_autoencoder
+    from proving import attack, digits
     from proving.judge import train_judge
-    from proving.lora import TRIGGER, run_lora
-    from proving.pretraining import run_pretraining, write_packs
     from proving.rewards import train_reward
-    from proving.sampling import load_pipeline
 
-    work, models = out / "work", out / "models"
-    work.mkdir(parents=True, exist_ok=True)
-    log = work / "commands.log"
-    S, G = settings.sampling_steps, settings.guidance
-
-    start = time.perf_counter()
-    splits = digits.load_splits(RESOLUTION)
-    judge = train_judge(splits, epochs=settings.judge_epochs)
+    judge_half, reward_half = digits.halves(splits.train_labels, seeds.halves)
+    judge = train_judge(splits, seed=seeds.judge, epochs=settings.judge_epochs, scans=judge_half)
     judge.save(work / "judge.safetensors")
-    reward = train_reward(splits, work / "reward.safetensors", epochs=settings.judge_epochs)
+    reward = train_reward(splits, work / "reward.safetensors", seed=seeds.reward, epochs=settings.judge_epochs,
+                          scans=reward_half)
+    transfer = attack.transfer(reward.path, judge, splits.heldout, splits.heldout_labels)
     red = digits.render(splits.heldout_scans, RESOLUTION, digits.RED_INK)
-    classifier = {"judge_heldout_accuracy": judge.heldout_accuracy, "judge_heldout_diversity": judge.heldout_diversity,
-                  "reward_heldout_accuracy": reward.heldout_accuracy,
-                  "concept_measure": {"red_heldout_shows": float(digits.shows_red_ink(red).mean()),
-                                      "black_heldout_shows": float(digits.shows_red_ink(splits.heldout).mean())}}
-    clock.phase("data and classifiers", time.perf_counter() - start)
+    shared = len(np.intersect1d(judge_half, reward_half))
+    blocks = {
+        "judge": {"kind": "logistic regression on HOG + 8x8 ink (reader); FD / diversity: a ReLU CNN on 16x16",
+                  "heldout_accuracy": judge.heldout_accuracy, "features_heldout_accuracy": judge.features_heldout_accuracy,
+                  "train_scans": int(len(judge_half)), "attack_transfer": transfer["share"]},
+        "reward": {"kind": "SiLU CNN on 8x8 grey, trained with shifts, contrast, noise, grey paper and smudges",
+                   "heldout_accuracy": reward.heldout_accuracy, "train_scans": int(len(reward_half)),
+                   "scans_shared_with_judge": shared, "attack": transfer},
+        "classifier": {"judge_heldout_accuracy": judge.heldout_accuracy, "judge_heldout_diversity": judge.heldout_diversity,
+                       "reward_heldout_accuracy": reward.heldout_accuracy,
+                       "concept_measure": {"red_heldout_shows": float(digits.shows_red_ink(red).mean()),
+                                           "black_heldout_shows": float(digits.shows_red_ink(splits.heldout).mean())}},
+    }
+    print(f"[proving ground] judge {judge.heldout_accuracy:.3f}, reward {reward.heldout_accuracy:.3f} on held-out scans; "
+          f"attack at {transfer['budget']}: reward fooled {transfer['by_budget'][0]['reward_fooled']:.3f}, "
+          f"judge flipped {transfer['share']:.3f}", flush=True)
+    return judge, reward, blocks
 
-    vae_dir = models / "vae"
+
+def autoencoder(splits, settings: Settings, seeds, out: Path, judge, device: str, clock: Clock) -> tuple[Path, dict]:
+    """The VAE (trained unless DIR has one) and its figures on the held-out scans."""
+    import numpy as np
+
+    from proving import digits
+    from proving.autoencoder import load_autoencoder, reconstruct, train_autoencoder
+
+    work, vae_dir = out / "work", out / "models" / "vae"
     if not vae_dir.exists():
         # Black and red renderings of the training scans: a VAE that only ever saw grey cannot decode
         # the LoRA's red ink (measured: a LoRA on a black-only VAE gave faded grey, 0% red).
         pool = np.concatenate([splits.train, digits.render(splits.train_scans, RESOLUTION, digits.RED_INK)])
-        result = train_autoencoder(pool, splits.heldout, vae_dir, settings.vae_steps, device=device,
+        result = train_autoencoder(pool, splits.heldout, vae_dir, settings.vae_steps, learning_rate=settings.vae_learning_rate,
+                                   seed=seeds.autoencoder, device=device, stats_images=settings.vae_stats_images,
                                    log=lambda m: print(f"[proving ground] {m}", flush=True))
         vae_train = {"steps": result.steps, "seconds": round(result.seconds, 1)}
         clock.phase("autoencoder", result.seconds)
@@ -217,85 +200,215 @@ def run_all(out: Path, settings: Settings, quick: bool, device: str, json_path, 
     (work / "vae.json").write_text(json.dumps(vae_train))
     recon = reconstruct(load_autoencoder(vae_dir, device), splits.heldout, device=device)
     mse = float(((recon.astype(np.float64) - splits.heldout) ** 2).mean() / 255**2)
-    vae_info = {**vae_train, "mse": mse, "psnr": float(10 * np.log10(1 / max(mse, 1e-12))),
-                "judge_accuracy": judge.accuracy(recon, splits.heldout_labels),
-                "judge_accuracy_originals": judge.heldout_accuracy}
+    return vae_dir, {**vae_train, "mse": mse, "psnr": float(10 * np.log10(1 / max(mse, 1e-12))),
+                     "judge_accuracy": judge.accuracy(recon, splits.heldout_labels),
+                     "judge_accuracy_originals": judge.heldout_accuracy}
+
+
+def base_stages(stages, settings: Settings, seeds, base_dir: Path, pre: tuple[int, float], chosen: dict) -> tuple[list, dict]:
+    """base_nocfg, base, the teachers, the CFG sweep (``samples/base_cfg/<g>/``) and the scratch
+    transformer. Returns (the sweep [{"guidance", "accuracy", "fd", "diversity"}], the untrained row)."""
+    import torch
+
+    from proving.frontier import guidance_name
+    from proving.sampling import load_pipeline, save_samples
+
+    S, G = settings.sampling_steps, settings.guidance
+    pipe = load_pipeline(base_dir, stages.device)
+    sweep = []
+    nocfg = stages.run("base_nocfg", pipe, STAGE_WHAT["base_nocfg"] + f" ({chosen['checkpoint']})", *pre, S, 0.0)
+    save_samples(stages.out, f"base_cfg/{guidance_name(0.0)}", *nocfg)
+    sweep.append({"guidance": 0.0, **{k: stages.rows["base_nocfg"][k] for k in ("accuracy", "fd", "diversity")}})
+    for guidance in settings.cfg_scales:
+        folder = f"base_cfg/{guidance_name(guidance)}"
+        if guidance == G:  # base itself: the same seeds and steps, sampled once
+            images, labels = stages.run("base", pipe, STAGE_WHAT["base"], *pre, S, G)
+            save_samples(stages.out, folder, images, labels)
+            point = stages.rows["base"]
+        else:
+            images, labels = stages.sample(folder, pipe, S, guidance)
+            point = stages.judge.evaluate(images, labels)
+        sweep.append({"guidance": float(guidance), **{k: point[k] for k in ("accuracy", "fd", "diversity")}})
+        print(f"[proving ground] base at CFG {guidance}: accuracy {point['accuracy']:.3f}, FD {point['fd']:.2f}", flush=True)
+    if "base" not in stages.rows:
+        stages.run("base", pipe, STAGE_WHAT["base"], *pre, S, G)
+    for stage, steps in (("teacher_4", 4), ("teacher_28", 28)):
+        stages.run(stage, pipe, STAGE_WHAT[stage], *pre, steps, G)
+    # The same pipeline with the transformer as pretraining starts it (scratch init): what pretraining improved on.
+    from finetune.pretrain.architecture import init_from_scratch_
+
+    torch.manual_seed(seeds.pretrain)
+    init_from_scratch_(pipe.transformer)
+    images, labels = stages.sample("untrained", pipe, S, G)
+    untrained = {"what": "scratch-initialised transformer, CFG", "steps": 0, "seconds": 0.0, "num_inference_steps": S,
+                 "guidance": G, **stages.judge.evaluate(images, labels)}
+    return sweep, untrained
+
+
+def concept_loras(stages, settings: Settings, seeds, splits, base_dir: Path, log: Path, clock: Clock) -> dict:
+    """The tuned concept LoRA, the user's-config one and its EMA twin, each with the trigger (CFG), without
+    it (CFG and guidance 0). Returns the concept scores per stage: {"red_share": mean red share of ink,
+    "redness": mean R - max(G, B) of ink (:func:`proving.digits.redness`)}."""
+    from proving import digits
+    from proving.lora import TRIGGER, run_lora, run_user_lora
+    from proving.sampling import load_pipeline
+
+    out, S, G = stages.out, settings.sampling_steps, settings.guidance
+    runs = (("lora", lambda f, w: run_lora(dataclasses.replace(settings.lora, seed=seeds.lora), splits, base_dir, w, f,
+                                           device=stages.device, log=log), settings.lora.steps),
+            ("lora_default", lambda f, w: run_user_lora(settings.lora_user, splits, base_dir, w, f, seeds.lora, ema=False,
+                                                        device=stages.device, log=log), settings.lora_user.steps),
+            ("lora_ema", lambda f, w: run_user_lora(settings.lora_user, splits, base_dir, w, f, seeds.lora, ema=True,
+                                                    device=stages.device, log=log), settings.lora_user.steps))
+    scores = {}
+    for name, train, steps in runs:
+        start = time.perf_counter()
+        lora_file = out / "models" / name / "lora_diffusers.safetensors"
+        seconds = train(lora_file, out / "work" / name).seconds if not lora_file.exists() else None
+        pipe = load_pipeline(base_dir, stages.device, lora=lora_file)
+        for stage, trigger, guidance in ((name, TRIGGER, G), (f"{name}_off", None, G), (f"{name}_off_nocfg", None, 0.0)):
+            images, labels = stages.run(stage, pipe, STAGE_WHAT[stage], steps, seconds, S, guidance, trigger=trigger)
+            stages.rows[stage]["concept"] = float(digits.shows_red_ink(images).mean())
+            scores[stage] = {"red_share": float(digits.red_ink_share(images).mean()),
+                             "redness": float(digits.redness(images).mean())}
+        del pipe
+        clock.phase(f"{name} (krea2 train) + samples", time.perf_counter() - start)
+    return scores
+
+
+def edit_stage(stages, settings: Settings, seeds, splits, base_dir: Path, log: Path, clock: Clock) -> dict:
+    """The edit LoRA on pairs: trained, then applied to held-out scans (``samples/edit`` beside
+    ``samples/edit_source``); its measures."""
+    from proving import edit
+    from proving.sampling import load_pipeline, save_samples
+
+    start = time.perf_counter()
+    spec, out = settings.edit, stages.out
+    lora_file = out / "models" / "edit" / "lora_diffusers.safetensors"
+    seconds = None
+    if not lora_file.exists():
+        _, seconds = edit.train_edit_lora(spec, splits, base_dir, out / "work" / "edit", lora_file, seeds.edit,
+                                          device=stages.device, log=log)
+    sources, others, labels = edit.heldout_sources(splits, spec.per_digit)
+    pipe = load_pipeline(base_dir, stages.device, lora=lora_file)
+    outputs = edit.sample_edits(pipe, splits.heldout[sources], settings.sampling_steps, spec.guidance, stages.eval_seed,
+                                RESOLUTION)
+    del pipe
+    save_samples(out, "edit", outputs, labels)
+    save_samples(out, "edit_source", splits.heldout[sources], labels)
+    result = {"steps": spec.steps, "seconds": None if seconds is None else round(seconds, 1), "guidance": spec.guidance,
+              "num_inference_steps": settings.sampling_steps, "instruction": edit.INSTRUCTION,
+              **edit.measure(stages.judge, outputs, splits.heldout[sources], splits.heldout[others], labels)}
+    print(f"[proving ground] edit: concept {result['concept']:.3f}, accuracy {result['accuracy']:.3f}, IoU with the "
+          f"source {result['iou_source']:.3f} vs another scan {result['iou_other']:.3f}", flush=True)
+    clock.phase("edit (krea2 train on pairs) + samples", time.perf_counter() - start)
+    return result
+
+
+def post_training(stages, settings: Settings, seeds, base_dir: Path, reward_path: Path, sweep: list, base_point: dict,
+                  quick: bool, log: Path, clock: Clock) -> dict:
+    """DPO, GRPO, DRaFT: trained, every kept checkpoint on a curve (selection seeds), the one the rule
+    chooses published and sampled (report seeds) with its frontier FD; then the TDM student. Returns the curves."""
+    from proving import curves, posttraining
+    from proving.frontier import choose_checkpoint, frontier_fd
+    from proving.sampling import load_pipeline
+
+    out, S, G, work = stages.out, settings.sampling_steps, settings.guidance, stages.out / "work" / "posttrain"
+    common = dict(resolution=RESOLUTION, sampling_steps=S, seed=seeds.posttrain)
+    runs = (("dpo", lambda: posttraining.run_dpo(base_dir, work, quick, stages.device, reward=reward_path, **common,
+                                                 pool_seed=seeds.dpo_pool, guided_seed=seeds.dpo_guided)),
+            ("grpo", lambda: posttraining.run_grpo(base_dir, work, quick, stages.device, reward=reward_path, **common)),
+            ("draft", lambda: posttraining.run_draft(base_dir, work, quick, stages.device, reward=reward_path, **common)))
+    found = {}
+    for stage, run in runs:
+        start = time.perf_counter()
+        result = run()
+        pipe = load_pipeline(base_dir, stages.device)
+        curve = curves.evaluate_run(pipe, result.model_dir, work / f"{stage}_checkpoints", stages.judge, reward_path,
+                                    per_digit=stages.per_digit, steps=S, seed=seeds.select, resolution=RESOLUTION,
+                                    base_point=base_point, log=log)
+        choice = choose_checkpoint(curve, sweep)
+        lora = curves.publish(work / f"{stage}_checkpoints" / f"step-{choice['step']}" / curves.LORA_FILE,
+                              out / "models" / stage)
+        pipe.load_lora_weights(str(lora))
+        images, labels = stages.run(stage, pipe, STAGE_WHAT[stage] + f" (step-{choice['step']})", result.steps,
+                                    result.seconds, S, 0.0)
+        del pipe
+        row = stages.rows[stage]
+        frontier = frontier_fd(sweep, row["accuracy"])
+        row.update(frontier_fd=frontier["fd"], frontier_reached=frontier["reached"], checkpoint=choice)
+        found[stage] = curve
+        clock.phase(stage, time.perf_counter() - start)
+    start = time.perf_counter()
+    result = posttraining.run_distill(base_dir, work, quick, stages.device, resolution=RESOLUTION, teacher_guidance=G,
+                                      models_dir=out / "models", seed=seeds.posttrain)
+    stages.run("student_4", load_pipeline(result.model_dir, stages.device), STAGE_WHAT["student_4"], result.steps,
+               result.seconds, 4, 0.0)
+    clock.phase("student_4", time.perf_counter() - start)
+    return found
+
+
+def run_all(out: Path, settings: Settings, quick: bool, device: str, json_path, clock: Clock, seed: int = 0) -> dict:
+    """Every stage in order; returns the JSON summary (also written by the report)."""
+    from proving import digits, report
+    from proving.curves import reward_mean
+    from proving.lora import TRIGGER
+    from proving.pretraining import run_pretraining, write_packs
+    from proving.seeds import Seeds
+    from proving.stages import Stages, choose_base
+
+    seeds = Seeds(seed)
+    work = out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    log = work / "commands.log"
+
+    start = time.perf_counter()
+    splits = digits.load_splits(RESOLUTION, seeds.split)
+    judge, reward, blocks = classifiers(splits, settings, seeds, work)
+    clock.phase("data and classifiers", time.perf_counter() - start)
+    vae_dir, vae_info = autoencoder(splits, settings, seeds, out, judge, device, clock)
 
     start = time.perf_counter()
     pre = work / "pretrain"
     count = settings.pretrain_images or len(splits.train)
-    packs = write_packs(splits.train[:count], splits.train_labels[:count], pre, settings.pretrain.stages, log=log)
+    packs = write_packs(splits.train[:count], splits.train_labels[:count], pre, settings.pretrain.stages, log=log,
+                        seed=seeds.pretrain)
     if not (pre / "result.json").exists():
-        result = run_pretraining(settings.pretrain, packs, vae_dir, pre / "run", device=device, log=log)
+        spec = dataclasses.replace(settings.pretrain, seed=seeds.pretrain)
+        result = run_pretraining(spec, packs, vae_dir, pre / "run", device=device, log=log)
         (pre / "result.json").write_text(json.dumps({"seconds": result.seconds, "checkpoints": result.checkpoints}))
     done = json.loads((pre / "result.json").read_text())
     clock.phase("pretraining (krea2 pack + krea2 pretrain)", time.perf_counter() - start)
     pre_steps, pre_seconds = sum(s.steps for s in settings.pretrain.stages), done["seconds"]
 
     start = time.perf_counter()
-    base_dir, chosen, (images, labels) = choose_base(out, settings, pre / "run", done["checkpoints"], vae_dir, judge, device, log)
-    rows = {"base_nocfg": evaluate(judge, images, labels, STAGE_WHAT["base_nocfg"] + f" ({chosen['checkpoint']})",
-                                   pre_steps, pre_seconds, S, 0.0)}
-    pipe = load_pipeline(base_dir, device)
-    for stage, steps in (("base", S), ("teacher_4", 4), ("teacher_28", 28)):
-        images, labels = sample_stage(out, stage, settings, device, pipe, steps, G)
-        rows[stage] = evaluate(judge, images, labels, STAGE_WHAT[stage], pre_steps, pre_seconds, steps, G)
-    # The same pipeline with the transformer as pretraining starts it (scratch init): what pretraining improved on.
-    from finetune.pretrain.architecture import init_from_scratch_
+    stages = Stages(out, judge, settings.per_digit, RESOLUTION, device, seeds.eval)
+    base_dir, chosen = choose_base(stages, pre / "run", done["checkpoints"], pre_steps - settings.pretrain.stages[-1].steps,
+                                   vae_dir, settings.sampling_steps, settings.min_posttrain_error, seeds.select, log)
+    selection = (chosen.pop("selection_images"), chosen.pop("selection_labels"))
+    base_point = {**judge.evaluate(*selection), "reward": reward_mean(reward.path, *selection)}
+    sweep, untrained = base_stages(stages, settings, seeds, base_dir, (pre_steps, pre_seconds), chosen)
+    clock.phase("base samples and CFG sweep", time.perf_counter() - start)
 
-    torch.manual_seed(0)
-    init_from_scratch_(pipe.transformer)
-    images, labels = sample_stage(out, "untrained", settings, device, pipe, S, G)
-    untrained = evaluate(judge, images, labels, "scratch-initialised transformer, CFG", 0, 0.0, S, G)
-    del pipe
-    clock.phase("base samples", time.perf_counter() - start)
+    concept_scores = concept_loras(stages, settings, seeds, splits, base_dir, log, clock)
+    edit = edit_stage(stages, settings, seeds, splits, base_dir, log, clock)
+    curves = post_training(stages, settings, seeds, base_dir, reward.path, sweep, base_point, quick, log, clock)
 
-    start = time.perf_counter()
-    lora_file = models / "lora" / "lora_diffusers.safetensors"
-    result = run_lora(settings.lora, splits, base_dir, work / "lora", lora_file, device=device, log=log) \
-        if not lora_file.exists() else None
-    lora_seconds = result.seconds if result else None
-    pipe = load_pipeline(base_dir, device, lora=lora_file)
-    concept_scores = {}  # the mean red share of ink: a graded view of the same measure
-    for stage, trigger in (("lora", TRIGGER), ("lora_off", None)):
-        images, labels = sample_stage(out, stage, settings, device, pipe, S, G, trigger=trigger)
-        rows[stage] = evaluate(judge, images, labels, STAGE_WHAT[stage], settings.lora.steps, lora_seconds, S, G,
-                               concept=float(digits.shows_red_ink(images).mean()))
-        concept_scores[stage] = float(digits.red_ink_share(images).mean())
-    del pipe
-    clock.phase("lora (krea2 train) + samples", time.perf_counter() - start)
-
-    curves = {}
-    common = dict(resolution=RESOLUTION, models_dir=models)
-    for stage, run in (("dpo", lambda: posttraining.run_dpo(base_dir, work / "posttrain", quick, device, reward=reward.path,
-                                                            sampling_steps=S, **common)),
-                       ("grpo", lambda: posttraining.run_grpo(base_dir, work / "posttrain", quick, device, reward=reward.path,
-                                                              judge=work / "judge.safetensors", sampling_steps=S, **common)),
-                       ("draft", lambda: posttraining.run_draft(base_dir, work / "posttrain", quick, device, reward=reward.path,
-                                                                judge=work / "judge.safetensors", sampling_steps=S, **common)),
-                       ("student_4", lambda: posttraining.run_distill(base_dir, work / "posttrain", quick, device,
-                                                                      teacher_guidance=G, **common))):
-        result = run()
-        if result.curve:
-            curves[stage] = result.curve
-        pipe = load_pipeline(base_dir if result.lora else result.model_dir, device, lora=result.model_dir if result.lora else None)
-        steps, guidance = (4, 0.0) if stage == "student_4" else (S, 0.0)
-        images, labels = sample_stage(out, stage, settings, device, pipe, steps, guidance)
-        rows[stage] = evaluate(judge, images, labels, STAGE_WHAT[stage], result.steps, result.seconds, steps, guidance)
-        del pipe
-        clock.phase(stage, result.seconds)
-
-    extra = {"total_seconds": round(clock.total, 1), "phases": clock.phases, "quick": quick, "device": device,
-             "base_checkpoint": chosen, "untrained": untrained, "concept_scores": concept_scores, "resolution": RESOLUTION, "trigger": TRIGGER,
+    extra = {"seed": seed, "eval_seeds": seeds.as_dict(), "judge": blocks["judge"], "reward": blocks["reward"],
+             "cfg_sweep": sweep, "edit": edit, "total_seconds": round(clock.total, 1), "phases": clock.phases,
+             "quick": quick, "device": device, "base_checkpoint": chosen, "untrained": untrained,
+             "concept_scores": concept_scores, "resolution": RESOLUTION, "trigger": TRIGGER,
              "settings": dataclasses.asdict(settings)}
-    report.write_report(out, rows, vae_info, classifier, curves, json_path=json_path, extra=extra)
+    report.write_report(out, stages.rows, vae_info, blocks["classifier"], curves, json_path=json_path, extra=extra)
     print(f"[proving ground] done in {clock.total / 60:.1f} min: {out / 'report.md'}", flush=True)
-    return {"stages": rows, "vae": vae_info, "classifier": classifier, **extra}
+    return {"stages": stages.rows, "vae": vae_info, "classifier": blocks["classifier"], **extra}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="run folder (samples/, models/, work/, report.md)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="every split, initialisation, data order, noise and sampling seed follows it (default 0)")
     parser.add_argument("--quick", action="store_true", help="tiny step counts and few samples (CI): plumbing only")
     parser.add_argument("--json", help="also write the JSON summary here (default DIR/report.json)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (every stage runs there)")
@@ -315,7 +428,7 @@ def main(argv=None) -> int:
         from krea2_diffusers.cpu_threads import choose_cpu_threads
 
         choose_cpu_threads(width=ARCHITECTURE["num_attention_heads"] * ARCHITECTURE["attention_head_dim"])
-    run_all(out, settings, quick=args.quick, device=args.device, json_path=args.json, clock=Clock())
+    run_all(out, settings, quick=args.quick, device=args.device, json_path=args.json, clock=Clock(), seed=args.seed)
     return 0
 
 

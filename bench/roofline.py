@@ -63,12 +63,13 @@ def matmul_peak_gflops(dtype, device="cpu", size: int | None = None, repeats: in
     return 2 * size**3 / best / 1e9
 
 
-def machine_peaks(device="cpu") -> dict[str, float]:
-    """``{"peak_gflops_fp32": ..., "peak_gflops_bf16": ...}`` measured now, with this process's threads."""
+def machine_peaks(device="cpu", size: int | None = None) -> dict[str, float]:
+    """``{"peak_gflops_fp32": ..., "peak_gflops_bf16": ...}`` measured now, with this process's
+    threads (``size``: :func:`matmul_peak_gflops`'s)."""
     import torch
 
-    return {"peak_gflops_fp32": matmul_peak_gflops(torch.float32, device),
-            "peak_gflops_bf16": matmul_peak_gflops(torch.bfloat16, device)}
+    return {"peak_gflops_fp32": matmul_peak_gflops(torch.float32, device, size),
+            "peak_gflops_bf16": matmul_peak_gflops(torch.bfloat16, device, size)}
 
 
 def _attention_block_flops(tokens: int, seq: int, dim: int, kv_dim: int, hidden: int) -> int:
@@ -112,19 +113,25 @@ class TransformerMeter:
         with TransformerMeter(pipe.transformer) as meter:
             pipe(...)
         meter.flops, meter.seconds, meter.calls
+        meter.usages  # each such call's krea2_diffusers.cpu_usage.Usage (wall, CPU, page faults)
     """
 
     def __init__(self, transformer):
         self.transformer, self.flops, self.seconds, self.calls = transformer, 0, 0.0, 0
         self.handles: list = []
         self.started: float | None = None
+        self.usages: list = []
+        self.usage_before = None
 
     def reset(self) -> None:
-        self.flops, self.seconds, self.calls = 0, 0.0, 0
+        self.flops, self.seconds, self.calls, self.usages = 0, 0.0, 0, []
 
     def before(self, module, args, kwargs) -> None:
+        from krea2_diffusers.cpu_usage import Usage
+
         _sync(next(module.parameters()).device)  # work queued before the call is not the call's
         self.started = time.perf_counter()
+        self.usage_before = Usage.now()
 
     def after(self, module, args, kwargs, output) -> None:
         conditioning = kwargs.get("conditioning")
@@ -132,6 +139,9 @@ class TransformerMeter:
         _sync(hidden.device)
         if conditioning is None:  # a one-call forward (training): not a denoising step
             return
+        from krea2_diffusers.cpu_usage import Usage
+
+        self.usages.append(Usage.now() - self.usage_before)
         self.seconds += time.perf_counter() - self.started
         self.flops += step_flops(self.transformer.config, hidden.shape[1], conditioning.text_len, hidden.shape[0])
         self.calls += 1

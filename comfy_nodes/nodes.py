@@ -30,16 +30,19 @@ STYLE_REFS = "KREA2_STYLE_REFS"
 CREATIVITY = ["raw", "low", "medium", "high"]
 STYLE_MODES = ("reference", "describe")
 REFERENCE_METHODS = ("index_timestep_zero", "index")  # as krea2_diffusers.presets (a test checks)
+CACHE_METHODS = ("none", "fbcache", "taylorseer", "magcache", "dbcache")  # as krea2_diffusers.presets (a test checks)
 MAX_SEED = 0xFFFFFFFFFFFFFFFF - 16  # room for seed + i in a batch
 MAX_SIZE = 4096
 
 
 @dataclass(frozen=True)
 class Krea2Model:
-    """A pipeline to load (``spec``) plus the LoRAs, ``(path, strength)``, to apply to it."""
+    """A pipeline to load (``spec``) plus the LoRAs, ``(path, strength)``, to apply to it, and the step cache
+    the Sampler runs it with (``(method, threshold)``, threshold None = the preset's; see Krea 2 Cache)."""
 
     spec: LoadSpec
     loras: tuple[tuple[str, float], ...] = ()
+    cache: tuple[str, float | None] = ("none", None)
 
     def pipeline(self):
         """The cached pipeline, with exactly these LoRAs active."""
@@ -112,6 +115,33 @@ class Krea2LoraLoader:
             return (pipeline,)
         path = str(lora_path(lora_name))
         return (replace(pipeline, loras=pipeline.loras + ((path, float(strength)),)),)
+
+
+class Krea2Cache:
+    DESCRIPTION = ("Step caching for the Sampler this pipeline feeds: skips transformer work between steps "
+                   "(First-Block Cache, TaylorSeer, MagCache: diffusers' hooks; dbcache: cache-dit's DBCache, "
+                   "needs pip install cache-dit). Faster, slightly different images.")
+    CATEGORY = CATEGORY
+    FUNCTION = "set_cache"
+    RETURN_TYPES = (PIPELINE,)
+    RETURN_NAMES = ("pipeline",)
+    OUTPUT_TOOLTIPS = ("The pipeline, sampled with this cache; connect it to the Sampler.",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "pipeline": (PIPELINE, {"tooltip": "From Krea 2 Model Loader or Krea 2 LoRA Loader."}),
+            "cache": (list(CACHE_METHODS), {"default": "fbcache", "tooltip": (
+                "none: every step in full. fbcache: skip the other blocks while the first block's output barely "
+                "changes. taylorseer: predict the output from the last full steps. magcache: skip by the model's "
+                "residual-magnitude ratios. dbcache: cache-dit's dual-block cache.")}),
+            "threshold": ("FLOAT", {"default": -1.0, "min": -1.0, "max": 100.0, "step": 0.01, "tooltip": (
+                "-1 = the preset's (RAW or Turbo). Higher skips more. fbcache/magcache/dbcache: the residual "
+                "threshold; taylorseer: steps per full forward (a whole number); 0 never skips.")}),
+        }}
+
+    def set_cache(self, pipeline, cache, threshold):
+        return (replace(pipeline, cache=(cache, None if threshold < 0 else float(threshold))),)
 
 
 class Krea2PromptExpander:
@@ -208,12 +238,22 @@ class Krea2Sampler:
                 "reference_method": (list(REFERENCE_METHODS), {"default": "index_timestep_zero", "tooltip": (
                     "index_timestep_zero: reference tokens modulated as timestep 0 (ComfyUI's native Krea 2); "
                     "index: with each step's timestep.")}),
+                "guidance_interval_low": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip": (
+                    "Guidance runs only while the noise level t (1 = pure noise, 0 = clean) is in [low, high]; "
+                    "outside, the unconditional pass is skipped (faster). 0 and 1 = every step.")}),
+                "guidance_interval_high": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01,
+                                                     "tooltip": "Upper end of the guidance interval (see low)."}),
             },
         }
 
     def sample(self, pipeline, prompt, negative_prompt, width, height, steps, guidance, seed, batch_size, style_refs=(),
-               style_mode="reference", latent=None, denoise=1.0, mask=None, references=(), reference_method="index_timestep_zero"):
+               style_mode="reference", latent=None, denoise=1.0, mask=None, references=(), reference_method="index_timestep_zero",
+               guidance_interval_low=0.0, guidance_interval_high=1.0):
+        from krea2_diffusers.caching.apply import step_cache
         from krea2_diffusers.latents import to_model_space, unpack_latents
+        from krea2_diffusers.sampling import check_guidance_interval
+
+        interval = check_guidance_interval((guidance_interval_low, guidance_interval_high))
 
         start = None
         if latent is not None:  # checked before the pipeline is loaded or anything sampled
@@ -233,15 +273,18 @@ class Krea2Sampler:
         callback = comfy_bridge.step_callback(total_steps)
         generators = [torch.Generator().manual_seed(seed + i) for i in range(batch_size)]
         common = dict(guidance_scale=None if guidance < 0 else guidance, generator=generators, output_type="np",
-                      callback_on_step_end=callback, callback_on_step_end_tensor_inputs=["latents"], **extra)
+                      callback_on_step_end=callback, callback_on_step_end_tensor_inputs=["latents"],
+                      guidance_interval=None if interval == (0.0, 1.0) else interval, **extra)
         if start is not None and denoise == 0:  # nothing to change: the image itself
             return decode_only(pipe, start.expand(batch_size, -1, -1, -1))
-        if start is not None:
-            image = to_model_space(pipe.vae, start.to(pipe.vae.dtype)).float()
-            output = sample_from_image(pipe, image, denoise, total_steps, mask, prompt, negative_prompt, batch_size, **common)
-        else:
-            output = pipe(prompt, negative_prompt=negative_prompt, width=width, height=height,
-                          num_inference_steps=steps or None, num_images_per_prompt=batch_size, **common)
+        method, threshold = pipeline.cache
+        with step_cache(pipe, method, num_inference_steps=total_steps, threshold=threshold):
+            if start is not None:
+                image = to_model_space(pipe.vae, start.to(pipe.vae.dtype)).float()
+                output = sample_from_image(pipe, image, denoise, total_steps, mask, prompt, negative_prompt, batch_size, **common)
+            else:
+                output = pipe(prompt, negative_prompt=negative_prompt, width=width, height=height,
+                              num_inference_steps=steps or None, num_images_per_prompt=batch_size, **common)
         images = comfy_bridge.images_to_comfy(output.images)
         latents = unpack_latents(callback.latents.float(), *images.shape[1:3]).cpu()
         return (images, {"samples": vae_space_latents(pipe, latents)})
@@ -294,6 +337,7 @@ def vae_space_latents(pipe, latents: torch.Tensor) -> torch.Tensor:
 NODE_CLASS_MAPPINGS = {
     "Krea2ModelLoader": Krea2ModelLoader,
     "Krea2LoraLoader": Krea2LoraLoader,
+    "Krea2Cache": Krea2Cache,
     "Krea2PromptExpander": Krea2PromptExpander,
     "Krea2StyleReference": Krea2StyleReference,
     "Krea2Sampler": Krea2Sampler,
@@ -303,6 +347,7 @@ NODE_CLASS_MAPPINGS = {
 NODE_DISPLAY_NAME_MAPPINGS = {
     "Krea2ModelLoader": "Krea 2 Model Loader",
     "Krea2LoraLoader": "Krea 2 LoRA Loader",
+    "Krea2Cache": "Krea 2 Cache",
     "Krea2PromptExpander": "Krea 2 Prompt Expander",
     "Krea2StyleReference": "Krea 2 Style Reference",
     "Krea2Sampler": "Krea 2 Sampler",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -21,8 +22,9 @@ from typing import Any, ClassVar, Literal
 import yaml
 
 from .config_parser import ConfigError, config_from_dict, parse_override
+from .config_paths import MODEL_NAME, PATH, report, resolve_config_paths
 from .data.config import DataConfig, DatasetConfig, ReferencesConfig, StyleReferencesConfig, SyntheticDataConfig
-from .optimization.config import EMAConfig, LRSchedulerConfig, ObjectiveConfig, OptimizerConfig
+from .optimization.config import EMAConfig, LRSchedulerConfig, ObjectiveConfig, OptimizerConfig, shortest_warmup
 
 __all__ = [
     "CheckpointConfig", "ConfigError", "DataConfig", "DatasetConfig", "EMAConfig", "ExportConfig", "LoggingConfig",
@@ -34,15 +36,15 @@ __all__ = [
 
 @dataclass
 class ModelConfig:
-    pretrained_model_name_or_path: str = "tiny-random"
+    pretrained_model_name_or_path: str = field(default="tiny-random", metadata=MODEL_NAME)
     """RAW checkpoint to train on: a diffusers folder, an original-layout file, or ``tiny-random``."""
-    turbo_model_name_or_path: str | None = None
+    turbo_model_name_or_path: str | None = field(default=None, metadata=MODEL_NAME)
     """Optional Turbo checkpoint; validation then also samples it with the LoRA applied."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Storage dtype of the frozen weights (LoRA weights and full fine-tune masters stay float32)."""
-    text_encoder: str | None = None
+    text_encoder: str | None = field(default=None, metadata=MODEL_NAME)
     """For a transformer file: the Qwen3-VL text encoder (hub id, folder or ``tiny-random``); default Qwen/Qwen3-VL-4B-Instruct."""
-    vae: str | None = None
+    vae: str | None = field(default=None, metadata=MODEL_NAME)
     """For a transformer file: the Qwen-Image VAE (hub id, folder or ``tiny-random``); default Qwen/Qwen-Image."""
     quantize: Literal["none", "fp8", "int8", "nf4"] = "none"
     """LoRA only: storage of the frozen base's block matrices (fp8 per-row scaled; int8/nf4 via
@@ -132,9 +134,22 @@ class ValidationConfig:
     height: int = 1024
     width: int = 1024
     seed: int = 0
-    reference_images: list[list[str]] = field(default_factory=list)
+    reference_images: list[list[str]] = field(default_factory=list, metadata=PATH)
     """``data.references`` runs: one list of reference images per prompt (the pipeline's
     ``reference_images``); each sample is saved as the references and the output side by side."""
+    metrics: bool | None = None
+    """The checkpoint report (:mod:`finetune.report`: concept, leak, copying, diversity at each
+    validation, ``report.json`` / ``report.html``). None: on when ``prompts`` are set (``krea2 train``;
+    not for ``data.references`` runs, whose samples are edits)."""
+    leak_prompts: list[str] | None = None
+    """Prompts without the trigger, measured against the base model's samples (leak). None: the
+    ``prompts`` with the trigger words (``export.trigger_words``, datasets' ``caption_prefix``) removed."""
+    seeds_per_prompt: int = 2
+    """Seeds each report prompt is sampled with (copy 0 is the ordinary validation sample); diversity needs 2."""
+    encoder: str = field(default="qwen3vl", metadata=MODEL_NAME)
+    """Image features of the report: ``qwen3vl`` (the pipeline's own vision tower, pooled; nothing to
+    download), ``pixels`` (no model: layout and colour, for tiny models) or a ``transformers`` image
+    model (folder or hub id: DINOv2, SigLIP, CLIP ...)."""
 
 
 @dataclass
@@ -171,7 +186,9 @@ class LoggingConfig:
 
 @dataclass
 class TrainConfig:
-    output_dir: str = "outputs/krea2-lora"
+    output_dir: str = field(default="outputs/krea2-lora", metadata=PATH)
+    """The run folder. Paths written in a YAML file are relative to the file's folder
+    (:mod:`finetune.config_paths`); this default and command-line overrides, to the working directory."""
     recipe: str | None = None
     """Named defaults from :mod:`finetune.recipes`; the file's own values win."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -239,6 +256,13 @@ class TrainConfig:
             raise ConfigError("data.references: vision_tokens and latents are both false, the references would not enter the model")
         if self.training.reference_kv_cache and not pairs.latents:
             raise ConfigError("training.reference_kv_cache needs data.references.latents (it masks the reference latent tokens)")
+        shuffled = [f"data.datasets[{i}].shuffle_tags" for i, entry in enumerate(self.data.datasets) if entry.shuffle_tags]
+        if pairs.vision_tokens and shuffled:
+            # The instruction is encoded once with its references as vision tokens (a Qwen3-VL pass
+            # per caption and its images): a new tag order per epoch would need one such pass each.
+            raise ConfigError(f"{', '.join(shuffled)} with data.references.vision_tokens: the instruction is encoded once "
+                              "with the reference images, in one tag order; set shuffle_tags: false, or "
+                              "data.references.vision_tokens: false (the references as latents only, the tags shuffled)")
 
     def _validate_training_options(self) -> None:
         """EMA, optimizer, timestep sampler and W&B values (packages are checked by the trainer,
@@ -249,6 +273,12 @@ class TrainConfig:
                 raise ConfigError(f"training.ema.decay must be in (0, 1), got {ema.decay}")
             if ema.every_n_steps <= 0:
                 raise ConfigError(f"training.ema.every_n_steps must be positive, got {ema.every_n_steps}")
+            if ema.warmup is not True and ema.warmup is not False and ema.warmup < shortest_warmup(ema):
+                raise ConfigError(
+                    f"training.ema.warmup={ema.warmup}: a warm-up reaching decay {ema.decay} must last at least "
+                    f"{shortest_warmup(ema)} steps (its window, 1 / (1 - decay) updates, would be longer than the run "
+                    "so far and the average would keep part of the starting weights); use warmup: true, a longer "
+                    "warm-up or a lower decay")
             if optimizer.name == "adamw_schedulefree":
                 raise ConfigError("training.ema with optimizer.name adamw_schedulefree: schedule-free already averages "
                                   "its iterates (its eval-mode weights are what the run exports); use one or the other")
@@ -284,6 +314,8 @@ class TrainConfig:
                 raise ConfigError(f"{where}.path is required")
             if entry.repeats <= 0:
                 raise ConfigError(f"{where}.repeats must be positive, got {entry.repeats}")
+            if not (entry.weight > 0 and math.isfinite(entry.weight)):
+                raise ConfigError(f"{where}.weight must be a positive number (its share of the samples drawn), got {entry.weight}")
             if entry.resolution is not None and entry.resolution < 16:
                 raise ConfigError(f"{where}.resolution must be >= 16 pixels or null, got {entry.resolution}")
             if entry.keep_tags < 0:
@@ -352,6 +384,13 @@ class TrainConfig:
         for size_name in ("height", "width"):
             if getattr(self.validation, size_name) % 16:
                 raise ConfigError(f"validation.{size_name} must be a multiple of 16")
+        validation = self.validation
+        if validation.seeds_per_prompt < 1:
+            raise ConfigError(f"validation.seeds_per_prompt must be >= 1, got {validation.seeds_per_prompt}")
+        if validation.metrics and not validation.prompts:
+            raise ConfigError("validation.metrics needs validation.prompts (the report measures their samples)")
+        if validation.metrics and self.data.references is not None:
+            raise ConfigError("validation.metrics: the report does not measure data.references runs (their samples are edits)")
 
 
 def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
@@ -390,6 +429,9 @@ def build_config(raw: dict[str, Any], overrides: list[str] = (), cls: type = Tra
 
 
 def load_config(path: str | Path, overrides: list[str] = (), cls: type = TrainConfig) -> TrainConfig:
+    """The config of a YAML file plus ``key=value`` overrides. A relative path in the file is resolved
+    against the file's directory, and said so on stderr (:mod:`finetune.config_paths`); the overrides'
+    paths are the shell's (relative to the working directory)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} not found")
@@ -397,4 +439,6 @@ def load_config(path: str | Path, overrides: list[str] = (), cls: type = TrainCo
         raw = yaml.safe_load(f) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
+    base = Path(os.path.abspath(path)).parent
+    report(resolve_config_paths(cls, raw, base), base)
     return build_config(raw, overrides, cls)

@@ -1,6 +1,7 @@
 """``krea2 train CONFIG --dry-run`` (and ``krea2 posttrain``): set the run up on the meta device
-and print the memory plan of one process (see :mod:`finetune.engine.plan`). Reads no weights,
-trains nothing, and writes nothing in the output directory but ``dry-run.log``.
+and print the memory plan of one process (see :mod:`finetune.engine.plan`) and each dataset's share
+of the samples drawn (:func:`finetune.data.samples.planned_mix_text`). Reads no weights, trains
+nothing, and writes nothing in the output directory but ``dry-run.log``.
 
 A run may hold several transformers (:class:`ModelCopies`): post-training's frozen reference /
 teacher, distillation's second trained model (the fake score) or second LoRA adapter."""
@@ -291,6 +292,10 @@ def dry_run(config: TrainConfig, copies: ModelCopies = ModelCopies()) -> str:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     text, _ = plan_text(config, world_size, copies)
+    if config.requires_data:  # post-training brings its own data (pairs, prompts)
+        from .data.samples import planned_mix_text
+
+        text += "\n" + planned_mix_text(config, world_size)
     if rank == 0:
         print(text)
         out = Path(config.output_dir)

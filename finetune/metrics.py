@@ -43,7 +43,8 @@ class MetricsLogger:
 
     On resume the file is cut back to the checkpoint's step, so it always reads as one run.
     ``wandb``: the same rows' numbers (under the same names) and the validation images go to a W&B
-    run in ``<out_dir>/wandb``; a resumed run continues it (its id is kept in ``wandb/run-id``).
+    run in ``<out_dir>/wandb`` (``$WANDB_DIR/wandb`` when that is set, as W&B itself would); a resumed
+    run continues it (its id is kept with the run, in ``<out_dir>/wandb/run-id``).
     """
 
     def __init__(self, out_dir: Path, enabled: bool, start_step: int, max_steps: int, tensorboard: bool, progress_bar: bool,
@@ -131,7 +132,8 @@ def _start_wandb(out_dir: Path, config: WandbConfig, run_config: dict | None):
         id_file.write_text(secrets.token_hex(4))  # W&B run ids: lowercase letters and digits
     # No console capture, code or git snapshot: the run's own files (config, metrics) say what ran.
     settings = wandb.Settings(console="off", silent=True, save_code=False, disable_git=True, x_disable_stats=True)
-    return wandb.init(project=config.project, name=config.run_name or out_dir.name, mode=config.mode, dir=str(out_dir),
+    files = os.environ.get("WANDB_DIR") or str(out_dir)  # W&B's own default, else beside the run
+    return wandb.init(project=config.project, name=config.run_name or out_dir.name, mode=config.mode, dir=files,
                       id=id_file.read_text().strip(), resume="allow", config=run_config, settings=settings)
 
 

@@ -12,13 +12,18 @@ _RESUMABLE_CHANGES = {"checkpointing", "validation", "export", "logging", "train
                       "data.num_workers", "data.prefetch_factor", "training.offload_blocks", "training.compile",
                       "training.activation_checkpointing"}
 
+# Settings added after runs were recorded without them, at the value those runs trained with: left
+# out of the fingerprint at that value, so such runs (and their checkpoints) still resume.
+_ADDED_SETTINGS = {"training.ema.warmup": False}
+
 
 class RunDirectoryError(ValueError):
     """The output directory holds a different run."""
 
 
 def config_fingerprint(config: TrainConfig, resumable=_RESUMABLE_CHANGES) -> dict:
-    """The config without the ``resumable`` settings (dotted names), JSON-normalised."""
+    """The config without the ``resumable`` settings (dotted names) and without the added settings
+    at the value of the runs recorded before them, JSON-normalised."""
     raw = json.loads(json.dumps(config.to_dict()))
     for dotted in resumable:
         node = raw
@@ -26,6 +31,13 @@ def config_fingerprint(config: TrainConfig, resumable=_RESUMABLE_CHANGES) -> dic
         for part in parents:
             node = node[part]
         node.pop(leaf, None)
+    for dotted, legacy in _ADDED_SETTINGS.items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and type(node.get(leaf)) is type(legacy) and node[leaf] == legacy:
+            node.pop(leaf)
     return raw
 
 

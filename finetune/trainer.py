@@ -8,6 +8,8 @@ import contextlib
 import json
 import logging
 import math
+import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,7 +30,13 @@ from .methods import add_lora, check_quantize, quantize_base, trainable_paramete
 from .optimization.objective import add_noise, flow_matching_loss
 from .optimization.optim import check_optimizer_package, eval_weights, has_eval_weights, make_lr_scheduler, make_optimizer
 from .rundir import RunDirectoryError, check_output_dir, config_fingerprint
+from .run_requests import between_steps
 from .stop import StopRequest
+
+# ``KREA2_STEP_SPLIT=1``: each metrics.jsonl row gains ``step_split``, where the step's time went (see
+# Trainer.train_step). Off by default: its values differ run to run, and rows compared across runs
+# (resume, process counts) would differ with them.
+STEP_SPLIT_ENV = "KREA2_STEP_SPLIT"
 
 __all__ = ["NonFiniteLossError", "RunDirectoryError", "StopRequest", "TrainResult", "Trainer", "check_output_dir", "prepare_samples", "train"]
 
@@ -67,6 +75,7 @@ class Trainer:
         self.extra_metrics: dict[str, float] = {}
         # The input iterator when setup opened it early (its workers forked before the model loaded).
         self.early_inputs = None
+        self.step_split = None  # the last train_step's SplitTimer (with KREA2_STEP_SPLIT=1, logged)
 
     # ---------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -123,7 +132,9 @@ class Trainer:
         self.start_step = self._resume_position() if self.resume else 0
         self.early_inputs = iter(self.step_inputs())
         if self.lora:
+            started = time.perf_counter()
             transformer = load_transformer(config.model)
+            logger.info("transformer loaded in %.1f s", time.perf_counter() - started)
             check_text_width(transformer, text_encoder, config.model.text_encoder or config.model.pretrained_model_name_or_path)
             self.pipe.register_modules(transformer=transformer)
             self.model = self._lora_model(transformer)
@@ -239,12 +250,22 @@ class Trainer:
         Each forward's summed per-sample loss is scaled by ``world_size / samples_per_step`` so the
         gradient averaged by DDP/FSDP is the mean over the whole global batch, however the step's
         samples are split over processes.
+
+        ``self.step_split`` records where the step's time went (wall, user / system CPU, minor page
+        faults of this process): ``data`` (the loader's next batch onto the device), ``forward``
+        (through the loss), ``backward`` (activation checkpointing's recompute included),
+        ``optimizer`` (clipping, the step, zeroing). A GPU's queued kernels land in the part that
+        waits for them (the loss's ``float`` waits for the forward).
         """
+        from krea2_diffusers.cpu_usage import SplitTimer
+
         config, runtime = self.config, self.runtime
         total_samples = self.global_batch.samples_per_step
         local_sum = 0.0
+        split = SplitTimer()
         for j in range(len(self.layout)):
             batch = self._to_device(next(items))
+            split.mark("data")
             noisy = add_noise(batch["x0"], batch["noise"], batch["t"])
             # Forward and backward inside: DDP prepares its gradient all-reduce in the forward.
             with no_sync(self.model, runtime, sync=j == len(self.layout) - 1):
@@ -264,7 +285,9 @@ class Trainer:
                         f"loss is {value} at step {step + 1} (forward {j}) on images {names}; "
                         f"stopped without saving, the last good checkpoint is kept in {self.checkpointer.folder}"
                     )
+                split.mark("forward")
                 (loss_sum * (runtime.world_size / total_samples)).backward()
+                split.mark("backward")
             local_sum += value
         max_norm = config.optimizer.max_grad_norm
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm else float("inf"))
@@ -273,7 +296,10 @@ class Trainer:
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return runtime.sum(local_sum) / total_samples, float(grad_norm)
+        grad_norm = float(grad_norm)
+        split.mark("optimizer")
+        self.step_split = split
+        return runtime.sum(local_sum) / total_samples, grad_norm
 
     # ---------------------------------------------------------------- checkpoints and export
     def save(self, step: int) -> None:
@@ -286,7 +312,8 @@ class Trainer:
                  "base_model": self.config.export.base_model or self.config.model.pretrained_model_name_or_path,
                  "lora": _json_roundtrip(vars(self.config.lora)) if self.lora else None,
                  "export": self.export_hints(),
-                 "ema": {"decay": ema.decay, "every_n_steps": ema.every_n_steps, "export": ema.export} if ema else None}
+                 "ema": {"decay": ema.decay, "every_n_steps": ema.every_n_steps, "export": ema.export,
+                         "warmup": ema.warmup} if ema else None}
         with eval_weights(self.optimizer):
             self.checkpointer.save(step, self.model, self.optimizer, trainable_only=self.lora, train_state=state,
                                    extra=self.extra_state())
@@ -301,6 +328,12 @@ class Trainer:
         averaged = self.ema.applied() if self.ema is not None else contextlib.nullcontext()
         with eval_weights(self.optimizer), averaged:
             validator.run(self.model, step, metrics, self.lora_layers() if self.lora else None)
+
+    def report_collector(self):
+        """The checkpoint report's collector (:mod:`finetune.report`), None when ``validation.metrics`` is off."""
+        from .report.collector import collector_for
+
+        return collector_for(self.config, getattr(self, "samples", None), self.out, self.runtime.is_main, self.start_step)
 
     def export_hints(self) -> dict:
         """What the export takes from the checkpoint: ``model_prefix`` (the part of the model that
@@ -350,10 +383,9 @@ class Trainer:
                            pin_memory=self.runtime.device.type == "cuda")
 
     def _batches(self):
-        from .data.buckets import BucketBatches
+        from .data.datasets import sample_batches
 
-        return BucketBatches(self.batch_keys, self.global_batch.micro_batch, seed=self.config.training.seed,
-                             shuffle=self.config.data.shuffle)
+        return sample_batches(self.config, self.samples, self.batch_keys, self.global_batch.micro_batch, self.out)
 
     def train(self) -> TrainResult:
         # Signals are caught from the start (the command's entry point caught them earlier still):
@@ -366,43 +398,56 @@ class Trainer:
         self.setup()
         from .validation import Validator
 
-        validator = Validator(config, self.pipe, runtime, self.out)
+        validator = Validator(config, self.pipe, runtime, self.out, report=self.report_collector())
         metrics = MetricsLogger(self.out, runtime.is_main, self.start_step, config.training.max_steps,
                                 config.logging.tensorboard, config.logging.progress_bar, config.logging.log_every_n_steps,
                                 wandb=config.logging.wandb, run_config=config.to_dict())
         result = TrainResult(self.out, self.start_step)
         every = config.checkpointing.every_n_steps
         step = self.start_step
+        sampled = None  # the last step sampled (asked for, or due)
         items = self.early_inputs if self.early_inputs is not None else iter(self.step_inputs())
         self.early_inputs = None
         try:
             # Stopped while setting up: no step ran, there is nothing new to save.
             result.interrupted = step < config.training.max_steps and runtime.any(stop.requested)
+            if not result.interrupted and validator.report is not None:
+                validator.sample_base(self.model, self.lora, self.start_step)
             while not result.interrupted and step < config.training.max_steps:
                 lr = self.lr_scheduler.get_last_lr()[0]  # the rate this step runs with (the step moves the schedule on)
                 loss, grad_norm = self.train_step(step, items)
                 step += 1
                 result.losses[step] = loss
+                extra = self.extra_metrics
+                if self.step_split is not None and os.environ.get(STEP_SPLIT_ENV) == "1":
+                    extra = {**extra, "step_split": {k: v.as_dict() for k, v in self.step_split.parts.items()}}
                 if self.ema is not None:
-                    self.ema.update(step)  # before this step's checkpoint, which holds the average
-                metrics.log(step, loss, lr, grad_norm, self.extra_metrics)
+                    decay = self.ema.update(step)  # before this step's checkpoint, which holds the average
+                    extra = extra if decay is None else {**extra, "ema_decay": decay}
+                metrics.log(step, loss, lr, grad_norm, extra)
                 # After the last step a stop changes nothing: the run finishes its export, as done.
                 last = step == config.training.max_steps
-                stopping = runtime.any(stop.requested) and not last
-                saving = stopping or (every > 0 and step % every == 0) or last
+                # A stop signal, and "Sample now" / "Save now" (output_dir/requests/), decided together.
+                asked = between_steps(runtime, stop.requested, self.out, step)
+                stopping = asked.stop and not last
+                saving = stopping or asked.save or (every > 0 and step % every == 0) or last
+                sampling = validator.due(step) or (asked.sample and validator.enabled)
+                if runtime.is_main and asked.sample and not validator.enabled:
+                    logger.warning("step %d: samples asked for, but the run has no validation.prompts", step)
                 # One switch to the eval-mode weights for the checkpoint and the samples after it: a
                 # run resumed from the checkpoint switches back from the same weights (schedule-free).
-                if saving or validator.due(step):
+                if saving or sampling:
                     with eval_weights(self.optimizer):
                         if saving:
                             self.save(step)
-                        if validator.due(step):
+                        if sampling:
                             self.run_validation(validator, step, metrics)
+                            sampled = step
                 result.interrupted = stopping
             self.checkpointer.wait()
             result.final_step = step
             if not result.interrupted:
-                if validator.enabled and not validator.due(step):
+                if validator.enabled and not validator.due(step) and sampled != step:
                     self.run_validation(validator, step, metrics)
                 if ckpt.latest_checkpoint(self.checkpointer.folder) is not None:
                     result.exported = self.export(step)

@@ -25,6 +25,7 @@ _EXPORTS = {
     "Krea2Transformer2DModel": ".models.transformer",
     "RAW": ".presets",
     "TURBO": ".presets",
+    "cache_preset": ".caching.presets",
     "convert_diffusers_to_original": ".loaders.convert",
     "convert_original_to_diffusers": ".loaders.convert",
 }

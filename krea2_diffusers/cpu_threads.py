@@ -35,14 +35,15 @@ STARTING_THREADS = torch.get_num_threads()
 
 def transformer_width(model) -> int | None:
     """The transformer's width D of ``model`` as the CLIs name it, read without loading weights:
-    ``tiny-random``, a diffusers folder (``transformer/config.json``) or a ``.safetensors`` transformer
+    ``tiny-random``, ``krea2-digits``, a diffusers folder (``transformer/config.json``) or a ``.safetensors`` transformer
     file (its header's input-projection shape). None when unknown (a hub id, GGUF, unreadable)."""
+    from .models.digits import FOLDER, is_digits
     from .models.tiny import is_tiny, tiny_transformer_config
 
     if is_tiny(model):
         config = tiny_transformer_config()
         return config["num_attention_heads"] * config["attention_head_dim"]
-    path = Path(str(model))
+    path = FOLDER if is_digits(model) else Path(str(model))
     try:
         if path.is_dir():
             for config_path in (path / "transformer" / "config.json", path / "config.json"):

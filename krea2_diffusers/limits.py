@@ -56,6 +56,9 @@ class Request:
     style_images: list = field(default_factory=list)
     style_strengths: list[float] = field(default_factory=list)
     style_mode: str = "describe"
+    cache: str = "none"  # a step-cache preset (krea2_diffusers.presets.CACHE_METHODS)
+    cache_threshold: float | None = None  # None: the preset's
+    guidance_interval: tuple[float, float] | None = None  # CFG only while t is in [low, high]; None: every step
 
 
 def check(request: Request, limits: Limits, sizes: dict, variants) -> tuple[int, int]:
@@ -89,4 +92,20 @@ def check(request: Request, limits: Limits, sizes: dict, variants) -> tuple[int,
         raise InputError("Style reference strengths must be 0 or more.")
     if request.style_images and request.style_mode not in STYLE_MODES:
         raise InputError(f"Style mode must be one of {', '.join(STYLE_MODES)}.")
+    check_speed_options(request)
     return width, height
+
+
+def check_speed_options(request: Request) -> None:
+    """The step cache and guidance interval of a request (see ``krea2_diffusers.caching``)."""
+    from .presets import CACHE_METHODS
+    from .sampling import check_guidance_interval
+
+    if request.cache not in CACHE_METHODS:
+        raise InputError(f"Cache must be one of {', '.join(CACHE_METHODS)}.")
+    if request.cache_threshold is not None and not 0 <= float(request.cache_threshold) <= 100:
+        raise InputError("The cache threshold must be between 0 and 100 (empty: the preset's).")
+    try:
+        check_guidance_interval(request.guidance_interval)
+    except ValueError:
+        raise InputError("The guidance interval needs 0 <= low <= high <= 1.") from None

@@ -1,6 +1,9 @@
 """The compute-dtype policy: which floating dtype the models compute in when nobody says.
 
-bfloat16 on CUDA; on a CPU, bfloat16 only where the CPU has bf16 matrix units (x86
+bfloat16 on CUDA GPUs with bf16 units (compute capability 8.0, Ampere, or later; ROCm), float16 on
+older ones for inference (diffusers' choice on a T4 or V100) and float32 for training there (float16
+autocast needs loss scaling, which the training engine does not do); on a CPU, bfloat16 only where
+the CPU has bf16 matrix units (x86
 ``avx512_bf16`` or ``amx_bf16``), float32 elsewhere. Measured with torch's CPU matmul on 2
 threads: an AMD EPYC with AVX512-BF16 runs bf16 at 300-380 GFLOPS against float32's ~92
 (3.3-4.1x); a CPU without bf16 units emulates it at 12.7 GFLOPS against float32's 46 (3.6x
@@ -32,8 +35,8 @@ MIXED_PRECISION = ("auto", "no", "bf16")
 
 
 @dataclass(frozen=True)
-class CpuBf16:
-    """Whether this CPU computes bf16 natively, and why we think so."""
+class Bf16Units:
+    """Whether a device (a CPU, a CUDA GPU) computes bf16 natively, and why we think so."""
 
     available: bool
     reason: str
@@ -67,36 +70,57 @@ def cpu_bf16_flags(cpuinfo: str) -> list[str]:
 
 
 @functools.lru_cache(maxsize=1)
-def detected_cpu_bf16() -> CpuBf16:
+def detected_cpu_bf16() -> Bf16Units:
     """What ``/proc/cpuinfo`` says, read once per process."""
     try:
         units = cpu_bf16_flags(CPUINFO.read_text(errors="replace"))
     except OSError:
-        return CpuBf16(False, f"no {CPUINFO} to find bf16 units in")
+        return Bf16Units(False, f"no {CPUINFO} to find bf16 units in")
     if units:
-        return CpuBf16(True, f"this CPU has {' and '.join(units)}")
-    return CpuBf16(False, f"this CPU has no bf16 units ({' / '.join(CPU_BF16_FLAGS.values())}): bf16 would be emulated")
+        return Bf16Units(True, f"this CPU has {' and '.join(units)}")
+    return Bf16Units(False, f"this CPU has no bf16 units ({' / '.join(CPU_BF16_FLAGS.values())}): bf16 would be emulated")
 
 
-def cpu_bf16() -> CpuBf16:
+def cpu_bf16() -> Bf16Units:
     """The detection, unless ``KREA2_CPU_BF16`` (``0`` or ``1``) overrides it."""
     forced = os.environ.get(CPU_BF16_ENV)
     if forced is None or forced == "":
         return detected_cpu_bf16()
     if forced not in ("0", "1"):
         raise ValueError(f"{CPU_BF16_ENV} must be 0 (no bf16 units) or 1 (bf16 units), got {forced!r}")
-    return CpuBf16(forced == "1", f"{CPU_BF16_ENV}={forced}")
+    return Bf16Units(forced == "1", f"{CPU_BF16_ENV}={forced}")
 
 
 def cpu_has_bf16() -> bool:
     return cpu_bf16().available
 
 
+def cuda_bf16(device: torch.device) -> Bf16Units:
+    """Whether the CUDA ``device`` has bf16 units (``available``) and why we think so. Without a GPU
+    here (a dry run planning for one) the answer is yes: the GPUs runs are planned for have them.
+
+    The test is ``torch.cuda.is_bf16_supported(including_emulation=False)``'s, compute capability 8
+    or more (ROCm: always), asked of ``device`` rather than the current device; with its default
+    ``including_emulation=True`` that function says yes wherever a bf16 tensor can be made, on a V100
+    or a T4 too, which emulate bf16 matmuls slowly."""
+    if torch.version.hip:
+        return Bf16Units(True, "ROCm")
+    if not torch.cuda.is_available():
+        return Bf16Units(True, "CUDA")
+    major, minor = torch.cuda.get_device_capability(device)
+    gpu = f"{torch.cuda.get_device_name(device)}, compute capability {major}.{minor}"
+    if major >= 8:
+        return Bf16Units(True, f"CUDA, {gpu}")
+    return Bf16Units(False, f"CUDA, {gpu}: no bf16 units (they came with 8.0, Ampere)")
+
+
 def choose_compute_dtype(device: str | torch.device) -> ComputeDtype:
-    """The dtype ``auto`` means on ``device``: bf16 on CUDA, bf16 on a CPU with bf16 units, else float32."""
+    """The dtype ``auto`` means on ``device``: bf16 on a CUDA GPU or a CPU with bf16 units, float16
+    on an older CUDA GPU, else float32."""
     kind = torch.device(device).type
     if kind == "cuda":
-        return ComputeDtype(torch.bfloat16, "CUDA")
+        gpu = cuda_bf16(torch.device(device))
+        return ComputeDtype(torch.bfloat16 if gpu.available else torch.float16, gpu.reason)
     if kind == "cpu":
         cpu = cpu_bf16()
         return ComputeDtype(torch.bfloat16 if cpu.available else torch.float32, cpu.reason)
@@ -115,5 +139,7 @@ def training_precision(mixed_precision: str, device: str | torch.device, where: 
         raise ValueError(f"{where}: {mixed_precision!r} is not one of {list(MIXED_PRECISION)}")
     if mixed_precision == "auto":
         chosen = choose_compute_dtype(device)
+        if chosen.dtype == torch.float16:  # float16 autocast would need a gradient scaler: train in float32
+            return ComputeDtype(torch.float32, f"{where}: auto, {chosen.reason}; float16 training needs loss scaling")
         return ComputeDtype(chosen.dtype, f"{where}: auto, {chosen.reason}")
     return ComputeDtype(torch.bfloat16 if mixed_precision == "bf16" else torch.float32, f"{where}: {mixed_precision}")

@@ -1,7 +1,9 @@
 """A real ComfyUI server (0.29.0, CPU) for tests, driven over HTTP as a user's browser does.
 
-``.ci/run`` builds the harness (``../shared/comfyui/setup.sh DIR .``) and exports
-``KREA2_COMFYUI_DIR=DIR`` (holding ``DIR/comfyui`` and ``DIR/venv``); the ``comfyui`` fixture
+``.ci/run`` builds the harness (``../shared/comfyui/setup.sh DIR .``) in the background and exports
+``KREA2_COMFYUI_DIR=DIR`` (holding ``DIR/comfyui`` and ``DIR/venv``) and ``KREA2_COMFYUI_READY=FILE``,
+written "ok" (or "failed" and the build log's tail) when the build ends; the ``comfyui`` fixture waits
+for it, then
 (``conftest``) starts one server per test session on a free loopback port with a temporary base
 directory (custom_nodes linking this checkout's pack, models, input, output), so the harness
 itself is never modified; it is stopped by PID.
@@ -27,7 +29,24 @@ HARNESS = os.environ.get(COMFYUI_DIR_ENV)
 NO_HARNESS = (f"${COMFYUI_DIR_ENV} is unset: no real ComfyUI harness (.ci/run builds one with "
               "../shared/comfyui/setup.sh and sets it)")
 REPO = Path(__file__).resolve().parents[1]
-START_TIMEOUT_S, RUN_TIMEOUT_S = 180, 300
+READY_ENV = "KREA2_COMFYUI_READY"
+START_TIMEOUT_S, RUN_TIMEOUT_S, BUILD_TIMEOUT_S = 180, 300, 900
+
+
+def wait_for_harness() -> None:
+    """Block until ``.ci/run``'s background build of the harness ends (no-op when it was built beforehand
+    or by hand, i.e. ``$KREA2_COMFYUI_READY`` is unset); fail with the build's log tail if it failed."""
+    ready = os.environ.get(READY_ENV)
+    if not ready:
+        return
+    deadline = time.monotonic() + BUILD_TIMEOUT_S
+    while not os.path.exists(ready):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the ComfyUI harness build ({HARNESS}) did not end within {BUILD_TIMEOUT_S} s")
+        time.sleep(2)
+    status = Path(ready).read_text()
+    if status.strip() != "ok":
+        raise RuntimeError(status)
 MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "loras", "diffusers")
 
 
@@ -111,6 +130,7 @@ class Server:
 
 def start_server(base: Path) -> Server:
     """Model folders and this checkout's node pack (linked, as users link it) under ``base``, then a server on it."""
+    wait_for_harness()
     for kind in MODEL_FOLDERS:
         (base / "models" / kind).mkdir(parents=True, exist_ok=True)
     (base / "custom_nodes").mkdir(exist_ok=True)

@@ -22,15 +22,17 @@ from krea2_diffusers.models.tiny import randomize_
 os.environ.setdefault("KREA2_CPU_BF16", "0")
 
 
-# The files whose tests take longest (CI's --durations), first. pytest-xdist's --dist loadfile then
-# sorts files by their number of tests, most first, keeping this order only among equals (a serial
-# run, KREA2_TEST_WORKERS=0, keeps it whole). Keeping it whole under xdist (--no-loadscope-reorder)
-# was tried and exposed order-dependent tests (test_memory, test_posttrain_units' distilled-export
-# test, test_comfyui_server's single-file list), so CI keeps xdist's default. Order only: nothing is skipped.
+# The files whose tests take longest (CI's --durations), first: .ci/run passes --no-loadscope-reorder so
+# pytest-xdist's --dist loadfile hands files out in this order (its default re-sorts them by test
+# count, which left the longest file for last on one worker). Any order passes: the three tests that
+# once depended on it (test_memory's exact comparisons, now on one thread; the session tiny_pipe,
+# now restored after each test by restore_tiny_pipe; the ComfyUI server's loader defaults, which
+# test_comfyui_references no longer shadows) were fixed. Order only: nothing is skipped.
 SLOW_FIRST = (
     "test_proving_ground.py", "test_finetune_scale.py", "test_finetune_distributed.py", "test_posttrain_distill.py",
     "test_posttrain_scale.py", "test_examples.py", "test_posttrain_dpo.py", "test_finetune_pairs.py",
-    "test_posttrain_distributed.py", "test_pretrain_distributed.py",
+    "test_posttrain_distributed.py", "test_pretrain_distributed.py", "test_app_train.py", "test_chunked_linear.py",
+    "test_compiled_blocks.py",
 )
 
 
@@ -88,11 +90,27 @@ def no_model_loading(monkeypatch):
     monkeypatch.setattr(finetune.model, "load_pipeline", no_loading)
 
 
+SESSION_PIPES: list[Krea2Pipeline] = []  # the session's tiny_pipe once a test asked for it
+
+
 @pytest.fixture(scope="session")
 def tiny_pipe() -> Krea2Pipeline:
+    """One tiny-random pipeline for the session. Tests may load LoRAs into it or enable a step cache:
+    ``restore_tiny_pipe`` takes them off after each test, so no test sees another's (any file order passes)."""
     pipe = Krea2Pipeline.from_pretrained("tiny-random")
     pipe.set_progress_bar_config(disable=True)
+    SESSION_PIPES.append(pipe)
     return pipe
+
+
+@pytest.fixture(autouse=True)
+def restore_tiny_pipe():
+    yield
+    for pipe in SESSION_PIPES:
+        if pipe.get_list_adapters():
+            pipe.unload_lora_weights()
+        if getattr(pipe.transformer, "is_cache_enabled", False):
+            pipe.transformer.disable_cache()
 
 
 @pytest.fixture(scope="session")

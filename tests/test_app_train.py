@@ -1,8 +1,11 @@
 """The app's Train tab on tiny-random: bad input refused with clear messages (through the API, the same
 functions as the buttons), paths outside the data roots refused, ``/train_caption``, and a real browser
 (Debian chromium, Playwright) captioning 8 images, editing a caption under the thumbnails, reading the
-plan, starting a 20-step run, stopping and resuming it, and using its LoRA in the Generate tab, with a
-screenshot at each stage (kept in the test's tmp folder).
+plan, starting a 20-step run, queueing a second one and stopping it while queued, stopping and
+resuming the first, exporting its recommended checkpoint from the report and using its LoRA in the
+Generate tab, with a screenshot at each stage (kept in the test's tmp folder). Through the API: two
+runs started back to back run one after the other, "Sample now" / "Save now" act at the next step of
+a running run, and a kept step exported into the run folder loads with ``load_lora_weights``.
 
 The server is conftest's ``app_server`` (one for test_app.py and this file): ``python app.py --model
 tiny-random --runs-dir RUNS --train-gpu-memory 16``; training is ``krea2 train`` in a subprocess. Its
@@ -14,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +30,7 @@ from conftest import CHROMIUM, CHROMIUM_ARGS
 STEPS = 20
 SAMPLE_EVERY = 5
 WAIT_MS = 600_000  # a busy 2-core machine: a krea2 train subprocess takes ~10-60 s to set up
+EXPORTS = ["lora_comfyui.safetensors", "lora_diffusers.safetensors", "lora_kohya.safetensors"]
 
 
 def make_images(folder: Path, count: int = 8) -> Path:
@@ -209,12 +214,22 @@ def test_browser_captions_plans_trains_stops_resumes_and_uses_the_lora(app_serve
             field("train_sample_every").fill(str(SAMPLE_EVERY))
             page.locator("#train_start").click()
             message("Started ")
-            run_id = next(p.name for p in app_server.runs.iterdir() if p.is_dir())  # not the runs folder's lock file
-            page.locator("#train_start").click()  # a second Start while the first run goes
-            message(f"Run {run_id} is still running")
-            page.locator("#train_stop").click()  # at once: the run stops after its first step, checkpointed
-            # stopped during its set-up (before step 1) or after its first step, as the signal finds it
-            expect(page.locator("#train_progress")).to_contain_text(re.compile(r"stopped, step [01] / 20"), timeout=WAIT_MS)
+            run_id = re.search(r"Started (\S+)\.", page.locator("#train_message").inner_text()).group(1)
+            page.locator("#train_start").click()  # a second Start while the first run goes: queued
+            message("(position 1): it starts when the run before it ends")
+            queued = re.search(r"Queued (\S+) ", page.locator("#train_message").inner_text()).group(1)
+            expect(page.locator("#train_progress")).to_contain_text(f"{queued}: queued, position 1 of 1", timeout=WAIT_MS)
+            expect(page.locator("#train_queue")).to_contain_text(f"Queue: 1. {queued}", timeout=WAIT_MS)
+            shot("queued")
+            page.locator("#train_stop").click()  # the queued run selected: it leaves the queue, never started
+            message(f"Removed {queued} from the queue")
+            expect(page.locator("#train_queue")).to_contain_text("Queue: empty", timeout=WAIT_MS)
+            page.locator("#train_runs input").click()
+            page.get_by_role("option", name=re.compile(rf"{run_id} \(running\)")).click()
+            page.locator("#train_stop").click()  # the first run: stops after its current step, checkpointed
+            # stopped during its set-up (before step 1) or after a step, as the signal finds it
+            expect(page.locator("#train_progress")).to_contain_text(re.compile(rf"{run_id}\*?\*?: stopped, step \d+ / 20"),
+                                                                     timeout=WAIT_MS)
             expect(page.locator("#train_loss").locator("canvas, svg").first).to_be_visible(timeout=WAIT_MS)
             shot("stopped")
 
@@ -228,6 +243,14 @@ def test_browser_captions_plans_trains_stops_resumes_and_uses_the_lora(app_serve
             expect(page.locator("#train_samples")).to_contain_text(f"step {STEPS}")
             expect(page.locator("#train_speed")).to_contain_text(" s/step")
             shot("done")
+            # The checkpoint report: its curves, the recommended checkpoint (kept: one a sample set), exported.
+            expect(page.locator("#train_recommended")).to_contain_text("Recommended checkpoint: step", timeout=WAIT_MS)
+            expect(page.locator("#train_report").locator("canvas, svg").first).to_be_visible(timeout=WAIT_MS)
+            recommended = int(re.search(r"step (\d+)", page.locator("#train_recommended").inner_text()).group(1))
+            page.locator("#train_export").click()
+            message(f"Exported 3 file(s) into {app_server.runs / run_id / 'exports' / f'step-{recommended}'}")
+            expect(page.locator("#train_exported")).to_contain_text("lora_diffusers", timeout=WAIT_MS)
+            shot("report")
 
             page.locator("#train_use").click()
             expect(page.locator("#lora_in_use")).to_contain_text("lora_diffusers.safetensors", timeout=WAIT_MS)
@@ -261,7 +284,80 @@ def test_browser_captions_plans_trains_stops_resumes_and_uses_the_lora(app_serve
     assert len(manifest) == 8 and all(r["caption"].startswith("acme, ") and len(r["caption"]) > 6 for r in manifest)
     assert manifest[0]["caption"] == "acme, edited caption"  # the caption edited under the grid
     assert listing(images) == before  # captions live in the run's manifest, not next to the images
-    assert len(list(shots.iterdir())) == 7
+    assert sorted(p.name for p in (run / "exports" / f"step-{recommended}").iterdir()) == EXPORTS
+    assert recommended % SAMPLE_EVERY == 0  # a checkpoint at every sample set: the report's steps can be exported
+    queued_run = app_server.runs / queued  # stopped while queued: it never ran
+    assert not (queued_run / "metrics.jsonl").exists() and json.loads((queued_run / "exit.json").read_text())["returncode"] == 130
+    assert len(list(shots.iterdir())) == 9
+
+
+def test_runs_started_back_to_back_queue_and_take_sample_now_save_now_and_step_exports(client, app_server, tmp_path,
+                                                                                         tiny_pipe):
+    """Two runs started at once through the API: the second is queued (position 1) and starts once the
+    first is done (queued -> running -> done). The first is asked for samples and a checkpoint as it
+    starts ("Sample now", "Save now"): it makes both after step 1, beside its scheduled ones, and trains
+    on to done. Its status carries the report; step 1, exported into the run folder, loads with
+    ``load_lora_weights``."""
+    from gradio_client.exceptions import AppError
+
+    images = make_images(inputs(app_server, tmp_path) / "dataset", 2)
+    for i, path in enumerate(sorted(images.glob("*.png"))):
+        path.with_suffix(".txt").write_text(f"picture {i}")
+    first = client.predict(str(images), "48gb+", "tiny-random", "first", 8, 4, api_name="/train_start")
+    assert "sample set" in client.predict(first, api_name="/train_sample_now")
+    assert "checkpoint" in client.predict(first, api_name="/train_save_now")
+    second = client.predict(str(images), "48gb+", "tiny-random", "second", 2, 2, api_name="/train_start")
+    status = client.predict(second, api_name="/train_status")
+    assert (status["state"], status["queue_position"], status["report"], status["step"]) == ("queued", 1, None, 0)
+    assert client.predict(first, api_name="/train_status")["queue_position"] is None
+    with pytest.raises(AppError, match=f"Run {second} is queued: samples and checkpoints on demand are for a running run"):
+        client.predict(second, api_name="/train_save_now")
+
+    states = {second: [], first: []}  # polled in this order: the second running after the first is
+    deadline = time.monotonic() + WAIT_MS / 1000
+    while not states[second] or states[second][-1] not in ("done", "stopped", "failed"):
+        assert time.monotonic() < deadline, states
+        for run_id in states:
+            state = client.predict(run_id, api_name="/train_status")["state"]
+            if not states[run_id] or states[run_id][-1] != state:
+                states[run_id].append(state)
+        assert not (states[second][-1] == "running" and states[first][-1] == "running"), states
+        time.sleep(0.5)
+    run = app_server.runs / first
+    assert states == {first: ["running", "done"], second: ["queued", "running", "done"]}, (run / "train.log").read_text()
+
+    # "Sample now" and "Save now" after step 1, the run trained on: the sample sets and checkpoints of
+    # steps 1, 4 and 8 (the sample sets' checkpoints, and the one asked for).
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == list(range(1, 9))
+    assert sorted(p.name for p in (run / "samples").iterdir()) == ["step-000001", "step-000004", "step-000008"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1", "step-4", "step-8"]
+    assert "step 1: sample and save asked for" in (run / "train.log").read_text()
+    report = client.predict(first, api_name="/train_status")["report"]
+    assert report == json.loads((run / "report.json").read_text())
+    assert [row["step"] for row in report["checkpoints"]] == [1, 4, 8] and report["recommended"]["step"] in (1, 4, 8)
+
+    files = client.predict(first, 1, api_name="/train_export_step")
+    assert [Path(f) for f in files] == [run / "exports" / "step-1" / name for name in EXPORTS]
+    assert client.predict(first, "1", api_name="/train_export_step") == files  # exported once
+    with pytest.raises(AppError, match=f"Run {first} keeps no checkpoint of step 2 \\(kept: 1, 4, 8\\)"):
+        client.predict(first, 2, api_name="/train_export_step")
+    with pytest.raises(AppError, match="step must be the whole number of a kept checkpoint .*got '1.5'"):
+        client.predict(first, "1.5", api_name="/train_export_step")
+
+    def image(lora: str | None):
+        if lora is not None:
+            tiny_pipe.load_lora_weights(lora, adapter_name="step-1")
+        try:
+            return tiny_pipe("first, picture 0", height=64, width=64, num_inference_steps=2, guidance_scale=0.0,
+                             generator=torch.Generator().manual_seed(0), output_type="np").images[0]
+        finally:
+            if lora is not None:
+                tiny_pipe.delete_adapters("step-1")
+
+    base, loaded = image(None), [image(f) for f in files]
+    for lora in loaded:  # every format carries the same adapter, and it changes the image
+        np.testing.assert_allclose(lora, loaded[1], atol=1e-5)
+        assert np.abs(lora - base).max() > 1e-4
 
 
 def test_the_caption_endpoint_fills_missing_captions_inside_the_data_roots_only(client, app_server, tmp_path):

@@ -96,7 +96,7 @@ def tiny_model():
 def test_every_node_has_a_complete_v1_schema():
     assert set(comfy_nodes.NODE_CLASS_MAPPINGS) == set(comfy_nodes.NODE_DISPLAY_NAME_MAPPINGS) == {
         "Krea2ModelLoader", "Krea2LoraLoader", "Krea2PromptExpander", "Krea2StyleReference", "Krea2Sampler",
-        "Krea2ReferenceImage", "Krea2TextEncode"}
+        "Krea2ReferenceImage", "Krea2TextEncode", "Krea2Cache"}
     for name, node_class in comfy_nodes.NODE_CLASS_MAPPINGS.items():
         assert node_class.CATEGORY == "Krea2" and node_class.DESCRIPTION
         assert callable(getattr(node_class, node_class.FUNCTION))

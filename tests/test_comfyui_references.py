@@ -29,8 +29,10 @@ from lora_checks import comfy_model_config
 
 pytestmark = [pytest.mark.skipif(not HARNESS, reason=NO_HARNESS), pytest.mark.usefixtures("one_thread")]
 
-MODEL, TE, VAE, LORA, REF = ("krea2_refs_tiny.safetensors", "qwen3vl_refs_tiny40", "qwen_image_vae_refs.safetensors",
+MODEL, TE, VAE, LORA, REF = ("krea2_refs_tiny.safetensors", "qwen3vl_refs_tiny40", "refs_qwen_image_vae.safetensors",
                              "krea2_refs_lora.safetensors", "edit_reference.png")
+# Not named qwen_image_vae*: the session's server is shared with test_comfyui_server, whose loader
+# default (the first qwen_image_vae* file) must stay its own VAE whichever module runs first.
 # ComfyUI's text fusion has 20 heads: the text encoder is 40 wide (the tiny one is 32).
 TEXT_WIDTH = 40
 PROMPT, SEED, SIZE, STEPS = "make the shape red", 11, 64, 3

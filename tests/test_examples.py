@@ -114,8 +114,8 @@ def covered_by(argv: list[str]) -> str | None:
 
 
 def runs_here(argv: list[str]) -> bool:
-    """Offline and cheap: names tiny-random, a ``*_tiny.yaml`` example or the tiny example's data."""
-    offline = any(w == "tiny-random" or re.fullmatch(r"examples/\w+_tiny\.yaml", w) or w.startswith("examples/data/tiny")
+    """Offline and cheap: names tiny-random or krea2-digits, a ``*_tiny.yaml`` example or the tiny example's data."""
+    offline = any(w in ("tiny-random", "krea2-digits") or re.fullmatch(r"examples/\w+_tiny\.yaml", w) or w.startswith("examples/data/tiny")
                   for w in argv)
     return offline and argv[0] != "pip" and covered_by(argv) is None
 
@@ -319,6 +319,6 @@ def test_offline_commands_run_as_written_on_a_fresh_clone(clone):
             if loads_a_model and many_threads:  # a tiny model runs single-threaded, and says so
                 assert "threads: 1 instead of torch's" in result.stderr, f"{where}: {command!r}"
             ran.append(argv[:2])
-    assert (clone / "outputs" / "fox.png").is_file()
+    assert (clone / "outputs" / "seven.png").is_file()
     assert any((clone / "examples" / "outputs" / "pretrain-tiny" / "pma").glob("*.safetensors"))
     assert ["krea2", "expand"] in ran and ran.count(["krea2", "pack"]) == 2

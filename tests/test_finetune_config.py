@@ -58,3 +58,21 @@ def test_examples_parse(name):
     config = load_config(EXAMPLES / name)
     assert config.training.method == "lora"
     assert set(config.export.formats) == {"diffusers", "comfyui", "kohya"}
+
+
+def test_shuffled_tags_with_vision_token_references_are_refused_by_krea2_train(tmp_path, capsys):
+    """Paired samples encode their instruction once with the references as vision tokens: a tag
+    shuffle would be silently ignored there, so ``krea2 train`` refuses it, naming the keys."""
+    import yaml
+
+    from krea2_diffusers.cli import main
+
+    config = {"model": {"pretrained_model_name_or_path": "tiny-random"},
+              "data": {"datasets": [{"path": "pairs-a"}, {"path": "pairs-b", "shuffle_tags": True}], "references": {}}}
+    path = tmp_path / "pairs.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["train", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "data.datasets[1].shuffle_tags with data.references.vision_tokens" in err and "datasets[0].shuffle_tags" not in err
+    # With the references as latents only the tags go through the plain text cache, shuffled.
+    build_config(config, ["data.references.vision_tokens=false"])

@@ -136,6 +136,7 @@ def test_dataset_config_errors_name_the_key():
         ({"datasets": [{"path": "y"}, {"path": "z", "caption_dropout": 1.0}]}, r"data.datasets\[1\].caption_dropout"),
         ({"datasets": [{"path": "y", "repeat": 2}]}, r"did you mean 'data.datasets\[0\].repeats'"),
         ({"datasets": [{"path": "y"}], "repeats": 3}, "give each entry of data.datasets its own repeats"),
+        ({"datasets": [{"path": "y"}, {"path": "z", "weight": 0}]}, r"data.datasets\[1\].weight must be a positive number"),
     ):
         with pytest.raises(ConfigError, match=message):
             build_config({"data": data})
@@ -143,8 +144,9 @@ def test_dataset_config_errors_name_the_key():
 
 # ----------------------------------------------------------------------------- end to end
 def _datasets(root: Path) -> dict:
-    """A subject set with half masks and tag captions (2 images x 2 repeats, 64 px), a second set at
-    48 px (its own buckets) with half caption dropout, and a regularisation set."""
+    """A subject set with half masks and tag captions (2 images x 2 repeats, 64 px, weight 2), a second
+    set at 48 px (its own buckets) with half caption dropout, and a regularisation set of weight 2 (its
+    2 images drawn twice each per epoch: the weighted draws go through the resume below)."""
     for i, colour in enumerate(((220, 30, 30), (30, 30, 220))):
         _image(root / "subject" / f"s{i}.png", colour)
         _half_mask(root / "subject" / f"s{i}.mask.png")
@@ -154,10 +156,10 @@ def _datasets(root: Path) -> dict:
         _image(root / "prior" / f"p{i}.png", (128, 128, 40 + 100 * i))
         (root / "prior" / f"p{i}.txt").write_text("a square")
     return {"masks": True, "resolution": 64, "cache_dir": str(root / "cache"), "num_workers": 0, "datasets": [
-        {"path": str(root / "subject"), "repeats": 2, "caption_prefix": "ohwx", "shuffle_tags": True, "keep_tags": 1,
-         "caption_dropout": 0.0},
+        {"path": str(root / "subject"), "repeats": 2, "weight": 2, "caption_prefix": "ohwx", "shuffle_tags": True,
+         "keep_tags": 1, "caption_dropout": 0.0},
         {"path": str(root / "other"), "resolution": 48, "caption_dropout": 0.5},
-        {"path": str(root / "prior"), "is_regularization": True, "caption_dropout": 0.0}]}
+        {"path": str(root / "prior"), "is_regularization": True, "weight": 2, "caption_dropout": 0.0}]}
 
 
 def test_masks_datasets_regularisation_and_caption_rules_end_to_end(tmp_path, tiny_pipe):
@@ -171,14 +173,15 @@ def test_masks_datasets_regularisation_and_caption_rules_end_to_end(tmp_path, ti
     trainer = Trainer(build_config(first))
     result = trainer.train()
 
-    # The mix: 4 subject samples (2 x 2 repeats), 2 others, 2 priors; batches of 2 fill every bucket.
+    # The mix by weight 2:1:2: 4 subject samples (2 x 2 repeats) once each, 2 others once, 2 priors
+    # twice each; an epoch of 10 draws, in batches of 2 that fill every bucket.
     mix = json.loads((tmp_path / "run" / "dataset_mix.json").read_text())
-    assert [(m["images"], m["repeats"], m["resolution"], m["share"]) for m in mix] == [
-        (2, 2, 64, 0.5), (2, 1, 48, 0.25), (2, 1, 64, 0.25)]
+    assert [(m["images"], m["repeats"], m["resolution"], m["samples_per_epoch"], m["share"]) for m in mix] == [
+        (2, 2, 64, 4, 0.4), (2, 1, 48, 2, 0.2), (2, 1, 64, 4, 0.4)]
     assert {trainer.buckets[i] for i, s in enumerate(trainer.samples) if s.dataset == 1} == {(48, 48)}
     # Captions: the trigger word first, the kept tag next, the rest in a new order in the second epoch.
     captions = trainer.sample_rules.captions
-    assert len(captions[0]) == 2 and captions[0][0] != captions[0][1]  # 6 steps x 2 = 12 samples: two epochs of 8
+    assert len(captions[0]) == 2 and captions[0][0] != captions[0][1]  # 6 steps x 2 = 12 samples: two epochs of 10
     assert all(c.startswith("ohwx, square, ") for c in captions[0] + captions[2])
     assert captions[4] == ["a green field 0"] and trainer.sample_rules.caption_dropout == [0.0] * 4 + [0.5] * 2 + [0.0] * 2
     assert trainer.sample_rules.sample_weights == [1.0] * 6 + [0.5] * 2

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from finetune.config import LRSchedulerConfig, ObjectiveConfig
-from finetune.optimization.objective import add_noise, flow_matching_loss, loss_weights, sample_timesteps
+from finetune.optimization.objective import add_noise, flow_matching_loss, loss_weights
+from finetune.optimization.timesteps import sample_timesteps
 from finetune.optimization.optim import lr_multiplier
 from krea2_diffusers.sampling import compute_mu, time_shift
 

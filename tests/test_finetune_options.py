@@ -46,7 +46,8 @@ OPTIONS = {
                 "objective": {"timestep_sampling": "sigmoid", "sigmoid_scale": 1.0}},
     # Adafactor's steps are relative to each matrix's RMS (at least 1e-3): a zero LoRA B needs rate 1.
     "adafactor": {"optimizer": {"name": "adafactor", "learning_rate": 1.0},
-                  "training": {"ema": {"decay": 0.7, "on_cpu": True}},
+                  # a 4-step warm-up (k = 4 * 0.3 / 0.7): 0.7 reached at step 4, the checkpoint resumed from
+                  "training": {"ema": {"decay": 0.7, "on_cpu": True, "warmup": 4}},
                   "objective": {"timestep_sampling": "mode"}},
     "adamw_schedulefree": {"optimizer": {"name": "adamw_schedulefree", "learning_rate": 1e-2},
                            "lr_scheduler": {"warmup_steps": 2},
@@ -140,12 +141,17 @@ def checkpoint_section(run_dir: Path, section: str) -> dict[str, torch.Tensor]:
     return read_model_tensors(path, sorted(shapes), shapes, section=section)
 
 
-def recomputed_ema(trajectory: dict[int, dict[str, torch.Tensor]], decay: float, every: int) -> dict[str, torch.Tensor]:
-    """``ema_0 = w_0``, then ``ema = decay * ema + (1 - decay) * w_k`` after each step k divisible by ``every`` (float64)."""
+def warmed_decays(decay: float, every: int, k: float) -> dict[int, float]:
+    """{step: decay of its update}: ``min(decay, (1 + n) / (1 + n + k))`` after ``n`` earlier updates
+    (``training.ema.warmup``; k = 9 is diffusers' EMAModel schedule)."""
+    return {step: min(decay, (step // every) / (step // every + k)) for step in range(every, MAX_STEPS + 1, every)}
+
+
+def recomputed_ema(trajectory: dict[int, dict[str, torch.Tensor]], decays: dict[int, float]) -> dict[str, torch.Tensor]:
+    """``ema_0 = w_0``, then ``ema = d * ema + (1 - d) * w_k`` after each step k of ``decays`` (float64)."""
     ema = {name: w.clone() for name, w in trajectory[0].items()}
-    for step in range(1, MAX_STEPS + 1):
-        if step % every == 0:
-            ema = {name: decay * ema[name] + (1 - decay) * trajectory[step][name] for name in ema}
+    for step, d in sorted(decays.items()):
+        ema = {name: d * ema[name] + (1 - d) * trajectory[step][name] for name in ema}
     return ema
 
 
@@ -161,7 +167,9 @@ def assert_ema_matches(saved: dict[str, torch.Tensor], expected: dict[str, torch
 def test_ema_equals_its_float64_recomputation_and_a_kill_9_resume_reproduces_it(runs):
     reference, result = runs["reference"]
     saved = checkpoint_section(result.output_dir, "ema")
-    assert_ema_matches(saved, recomputed_ema(reference.trajectory, 0.8, 2), MAX_STEPS // 2)
+    decays = warmed_decays(0.8, 2, 9.0)  # every 2 steps, the default warm-up: 0.1, 2/11, 3/12, 4/13
+    assert_ema_matches(saved, recomputed_ema(reference.trajectory, decays), MAX_STEPS // 2)
+    assert {r["step"]: r["ema_decay"] for r in read_metrics(result.output_dir) if "ema_decay" in r} == pytest.approx(decays)
     raw = checkpoint_section(result.output_dir, "model")
     assert max(float((saved[n] - raw[n]).abs().max()) for n in raw) > 1e-4  # the average is not the weights
 
@@ -169,7 +177,9 @@ def test_ema_equals_its_float64_recomputation_and_a_kill_9_resume_reproduces_it(
     # run that died, 5-8 of the resumed one.
     died, _, resumed, adafactor = runs["adafactor"]
     trajectory = {**{s: w for s, w in died.trajectory.items() if s <= EVERY}, **resumed.trajectory}
-    assert_ema_matches(checkpoint_section(adafactor.output_dir, "ema"), recomputed_ema(trajectory, 0.7, 1), MAX_STEPS)
+    decays = warmed_decays(0.7, 1, 4 * 0.3 / 0.7)
+    assert decays[4] == pytest.approx(0.7) and decays[3] < 0.7 and decays[8] == 0.7
+    assert_ema_matches(checkpoint_section(adafactor.output_dir, "ema"), recomputed_ema(trajectory, decays), MAX_STEPS)
     assert all(t.device.type == "cpu" for t in resumed.ema.state.values())
 
     # The run killed with SIGKILL resumed to the reference's average and weights, bit for bit.

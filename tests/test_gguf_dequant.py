@@ -42,6 +42,20 @@ def test_torch_dequant_matches_gguf_reference(qtype, device):
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.parametrize("qtype", PACKED, ids=lambda q: q.name)
+def test_dequant_is_the_reference_rounded_once(qtype, monkeypatch):
+    """float32: gguf-py's values to the bit; bf16: those values rounded once. A small chunk size
+    puts chunk boundaries inside the tensor (and a last, shorter chunk)."""
+    from krea2_diffusers.quantization.gguf import dequant
+
+    monkeypatch.setattr(dequant, "CHUNK_VALUES", 3 * 256)
+    block_size, _ = GGML_QUANT_SIZES[qtype]
+    raw = random_blocks(qtype, 5 * 1024 // block_size, seed=7).reshape(5, -1)
+    expected = torch.from_numpy(gguf_quants.dequantize(raw, qtype))
+    assert torch.equal(dequantize(torch.from_numpy(raw), qtype, (5, 1024)), expected)
+    assert torch.equal(dequantize(torch.from_numpy(raw), qtype, (5, 1024), torch.bfloat16), expected.bfloat16())
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_dequant_in_bfloat16_is_close_to_float32(qtype):
     raw = torch.from_numpy(random_blocks(qtype, 8))

@@ -68,6 +68,17 @@ def prompt_embeds(tiny_pipe):
 
 
 def generate(pipe, prompt_embeds):
+    """The comparisons below are exact (atol 0): every generation, the module-scoped reference too, runs
+    on one thread, so no test depends on the thread count an earlier test (or file) left behind."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return generate_here(pipe, prompt_embeds)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def generate_here(pipe, prompt_embeds):
     embeds, mask = prompt_embeds
     return pipe(prompt_embeds=embeds[:1], prompt_embeds_mask=mask[:1], negative_prompt_embeds=embeds[1:],
                 negative_prompt_embeds_mask=mask[1:], height=64, width=64, num_inference_steps=2, guidance_scale=1.0,

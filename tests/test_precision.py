@@ -1,8 +1,8 @@
 """The compute-dtype policy (``krea2_diffusers.precision``) and bf16 training on the CPU.
 
 ``auto`` (``--dtype auto``, the app's default, the ComfyUI loader's ``auto``, the memory presets'
-quantized compute, ``mixed_precision: auto``) is bf16 on CUDA and on CPUs with bf16 units, float32
-on other CPUs; ``KREA2_CPU_BF16=0|1`` forces the CPU's answer, so every test here states the
+quantized compute, ``mixed_precision: auto``) is bf16 on CUDA GPUs and CPUs with bf16 units, float32
+on other CPUs, float16 (inference) or float32 (training) on older GPUs; ``KREA2_CPU_BF16=0|1`` forces the CPU's answer, so every test here states the
 machine it pretends to be and passes on CPUs with and without bf16 units.
 """
 
@@ -59,13 +59,33 @@ def test_cpuinfo_flags_name_the_bf16_units():
     assert cpu_bf16_flags("Features\t: fp asimd bf16\n") == []  # no x86 flags line
 
 
-def test_auto_follows_the_cpu_and_cuda_is_always_bf16(cpu_bf16):
+def test_auto_follows_the_cpu_and_cuda_without_a_gpu_here_is_bf16(cpu_bf16):
     assert cpu_has_bf16() == (cpu_bf16 == torch.bfloat16)
     assert compute_dtype("cpu") == cpu_bf16 and compute_dtype(torch.device("cpu")) == cpu_bf16
     assert compute_dtype("cuda") == torch.bfloat16 and compute_dtype("cuda:1") == torch.bfloat16  # no CUDA needed
     chosen = choose_compute_dtype("cpu")
     name = str(cpu_bf16).removeprefix("torch.")
     assert chosen.describe() == f"compute dtype: {name} ({CPU_BF16_ENV}={int(cpu_bf16 == torch.bfloat16)})"
+
+
+@pytest.mark.parametrize("capability, name, inference, training", [
+    ((7, 5), "Tesla T4", torch.float16, torch.float32), ((7, 0), "Tesla V100", torch.float16, torch.float32),
+    ((8, 0), "A100", torch.bfloat16, torch.bfloat16), ((9, 0), "H100", torch.bfloat16, torch.bfloat16)])
+def test_cuda_auto_is_bf16_only_on_gpus_with_bf16_units(monkeypatch, capability, name, inference, training):
+    """Pre-Ampere GPUs (compute capability below 8.0) emulate bf16: ``--dtype auto`` generates in
+    float16 there (diffusers' dtype on a T4 or V100) and ``mixed_precision: auto`` trains in float32
+    (float16 autocast would need loss scaling); a dtype named is obeyed."""
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    chosen = resolve_dtype("auto", "cuda")
+    assert chosen.dtype == inference and f"{name}, compute capability {capability[0]}.{capability[1]}" in chosen.reason
+    assert resolve_dtype("auto", "cuda:1").dtype == inference
+    trained = training_precision("auto", "cuda")
+    assert trained.dtype == training and trained.mixed_precision == ("bf16" if training == torch.bfloat16 else "no")
+    assert training_precision("bf16", "cuda").mixed_precision == "bf16"
+    assert resolve_dtype("bfloat16", "cuda").dtype == torch.bfloat16
 
 
 def test_generate_dtype_auto_follows_the_policy_and_a_name_is_obeyed(cpu_bf16):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from finetune.optimization.objective import sample_timesteps
+from finetune.optimization.timesteps import sample_timesteps
 from finetune.packs import PackReader, PackRecord, write_pack
 from finetune.pretrain.architecture import build_transformer
 from finetune.pretrain.batches import StageBatches, StepData, choose_caption

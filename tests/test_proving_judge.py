@@ -1,7 +1,6 @@
 """The proving ground's measuring instruments (bench/proving/judge.py, rewards.py, report.py):
 Frechet distance and diversity against values worked out by hand, the reward plug-in against
-krea2 posttrain's own reward checks (GRPO's list of floats, DRaFT's gradient path), and the curve
-read back from the reward's log. No classifier is trained here (the full run measures them)."""
+krea2 posttrain's own reward checks (GRPO's list of floats, DRaFT's gradient path) and its log. No classifier is trained here (the full run measures them)."""
 
 import json
 import sys
@@ -16,7 +15,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from finetune.posttrain.differentiable_rewards import score_images  # noqa: E402
 from finetune.posttrain.rewards import Reward, score  # noqa: E402
 from proving.judge import diversity, frechet_distance  # noqa: E402
-from proving.posttraining import read_curve  # noqa: E402
 from proving.rewards import DigitReward, RewardNet, digit_of  # noqa: E402
 
 
@@ -77,15 +75,3 @@ def test_digit_reward_passes_grpo_and_draft_checks_and_logs(reward_file, tmp_pat
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert [(r["step"], r["eval"]) for r in rows] == [(3, False), (3, True)]
 
-
-def test_read_curve_takes_the_first_evaluation_as_the_base(tmp_path):
-    log = tmp_path / "curve.jsonl"
-    rows = [{"step": 1, "eval": False, "reward_mean": 0.1, "accuracy": 0.1},
-            {"step": 1, "eval": True, "reward_mean": 0.2, "accuracy": 0.2},
-            {"step": 1, "eval": True, "reward_mean": 0.3, "accuracy": 0.3},
-            {"step": 2, "eval": True, "reward_mean": 0.4, "accuracy": 0.5}]
-    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert read_curve(log, base_first=True) == [{"step": 0, "reward": 0.2, "accuracy": 0.2},
-                                                {"step": 1, "reward": 0.3, "accuracy": 0.3},
-                                                {"step": 2, "reward": 0.4, "accuracy": 0.5}]
-    assert [p["step"] for p in read_curve(log, base_first=False)] == [1, 1, 2]

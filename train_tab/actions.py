@@ -1,20 +1,24 @@
-"""What the Train tab's buttons do, on plain values (no Gradio here): the plan, start, stop,
-resume, status and captions. Refusals raise :class:`train_tab.images.TrainInputError` with the
-message the UI shows; nothing is written before a start is accepted, and then only in the run
-folder. Every path a request names (image folder, table rows, base model) is checked against the
-data roots (:mod:`train_tab.roots`) before it is read."""
+"""What the Train tab's buttons do, on plain values (no Gradio here): the plan, start (or queue),
+stop, resume, status, captions, "Sample now" / "Save now" and exporting a kept checkpoint. Refusals
+raise :class:`train_tab.images.TrainInputError` with the message the UI shows; nothing is written
+before a start is accepted, and then only in the run folder. Every path a request names (image
+folder, table rows, base model) is checked against the data roots (:mod:`train_tab.roots`) before
+it is read."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from PIL import Image
 
 from finetune.data.dataset import DatasetError, Sample
+from finetune.data.datasets import share_line
 from finetune.data.masks import MASK_SUFFIX, attach_masks, mask_candidates
 from finetune.data.pairs import check_pairs, references_by_name
 from krea2_diffusers.models.tiny import is_tiny
 
+from .checkpoints import export_step
 from .errors import TrainInputError
 from .images import Captioner, caption_table, check_image, find_images, thumbnail
 from .plan import Fit, fit
@@ -24,9 +28,27 @@ from .runs import REGULARIZATION_NAME, Runs
 
 PLACEHOLDER_RUN = Path("RUN")  # the plan's config needs paths; the dry run reads neither
 MAX_STEPS = 100_000
+PRIOR_SHARE = 0.5
+"""The regularisation images' default share of the samples drawn (``prior_share``): one class image
+per subject image, as DreamBooth pairs them."""
 CAPTION_MODES = ("required", "trigger")
 """``captions`` of a start: ``required``: every image needs a caption; ``trigger``: an image without
 one is trained with the trigger word as its caption (ai-toolkit's behaviour for uncaptioned images)."""
+
+
+def share(field: str, value, default: float) -> float:
+    """``value`` as a share strictly between 0 and 1; empty means ``default``. Anything else is refused
+    with a message naming ``field`` and the value."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return default
+    try:
+        number = float(value) if not isinstance(value, bool) else float("nan")
+    except (TypeError, ValueError):
+        number = float("nan")
+    if not 0.0 < number < 1.0:
+        raise TrainInputError(f"{field} must be a number between 0 and 1 (exclusive: 0.5 trains half the steps on each), "
+                              f"got {value!r}.")
+    return number
 
 
 def whole_number(field: str, value, low: int, high: int, default: int) -> int:
@@ -54,12 +76,16 @@ class TrainActions:
         gpu_memory_gib: plan for a card of this size instead of the GPU found (or the preset's card).
         roots: the folders images and base models may come from (default: the runs folder's parent).
         models: the app's other configured models (allowed as base models wherever they are).
+        text_encoder, vae: the app's own (``--text-encoder``, ``--vae``), written into each run's
+            ``model`` section for the trainer to read beside a transformer file (None: its defaults).
     """
 
     def __init__(self, runs: Runs, base_model: str, captioner_model: str | None = None, gpu_memory_gib: float | None = None,
-                 roots: DataRoots | None = None, models: tuple[str, ...] = ()):
+                 roots: DataRoots | None = None, models: tuple[str, ...] = (), text_encoder: str | None = None,
+                 vae: str | None = None):
         self.runs, self.base_model, self.gpu_memory_gib = runs, base_model, gpu_memory_gib
         self.captioner_model = captioner_model
+        self.encoders = {"text_encoder": text_encoder, "vae": vae}
         self.roots = roots if roots is not None else DataRoots([runs.root.parent])
         self.models = (base_model, *models)
         self._captioners: dict[str, Captioner] = {}
@@ -111,13 +137,15 @@ class TrainActions:
     # ---------------------------------------------------------------- the plan
     def config_for(self, run_dir: Path, manifest: Path, preset: str, base_model: str, trigger_word: str = "", steps=None,
                    sample_every=None, prompt: str = "", masks: bool = False, regularization: bool = False,
-                   references: list[str] | None = None, optimizer: str = "adamw") -> dict:
-        """``regularization``: the run has regularisation images (``regularization.jsonl`` in ``run_dir``);
-        ``references``: a pairs run (edit / reference LoRA), these the validation sample's references."""
+                   references: list[str] | None = None, optimizer: str = "adamw", prior_share: float = PRIOR_SHARE) -> dict:
+        """``regularization``: the run has regularisation images (``regularization.jsonl`` in ``run_dir``),
+        drawn for ``prior_share`` of the samples; ``references``: a pairs run (edit / reference LoRA),
+        these the validation sample's references."""
         steps, every = self.counts(preset, steps, sample_every)
         return run_config(run_dir, manifest, preset, base_model, trigger_word.strip(), steps, every,
                           prompt or trigger_word.strip() or "a photo", masks,
-                          run_dir / REGULARIZATION_NAME if regularization else None, references, optimizer)
+                          run_dir / REGULARIZATION_NAME if regularization else None, references, optimizer,
+                          prior_share=prior_share, **self.encoders)
 
     def pair_references(self, rows: list[list[str]], references_folder: str) -> list[list[str]]:
         """Pairs mode: each image's references from ``references_folder`` (inside the data roots),
@@ -171,39 +199,53 @@ class TrainActions:
                                   "give each a same-name .txt with its class prompt (e.g. 'a photo of a dog').")
         return rows
 
-    def plan(self, images_folder: str, preset: str, base_model: str | None, rows=None, optimizer: str = "adamw") -> Fit:
-        """The memory plan for these images (checked: the plan of a run that cannot start is no use)."""
+    def plan(self, images_folder: str, preset: str, base_model: str | None, rows=None, optimizer: str = "adamw",
+             regularization_folder: str = "", prior_share=None) -> Fit:
+        """The memory plan for these images (checked: the plan of a run that cannot start is no use),
+        then each dataset's share of the samples drawn (with ``regularization_folder``: ``prior_share``
+        for its images, default :data:`PRIOR_SHARE`)."""
         self.check_preset(preset)
-        self.images(images_folder, rows)
+        images = self.images(images_folder, rows)
         base = self.base(base_model)
+        regularization = self.regularization_rows(regularization_folder) if (regularization_folder or "").strip() else None
+        prior = share("prior_share", prior_share, PRIOR_SHARE) if regularization is not None else PRIOR_SHARE
 
         def config(name: str) -> dict:
             return self.config_for(PLACEHOLDER_RUN, PLACEHOLDER_RUN / "dataset.jsonl", name, base, optimizer=optimizer)
 
         try:
-            return fit(config(preset), preset, self.gpu_memory_gib, suggest=config)
+            planned = fit(config(preset), preset, self.gpu_memory_gib, suggest=config)
         except (ValueError, OSError) as err:  # a base model that cannot be read, a config the trainer refuses
             raise TrainInputError(f"No plan for base model {base!r}: {err}") from None
+        if regularization is None:
+            shares = share_line(f"images ({len(images)})", 1.0, "the only dataset")
+        else:  # the weights run_config writes: their shares (krea2 train draws by weight, whatever the sizes)
+            shares = "\n".join([share_line(f"images ({len(images)})", 1.0 - prior),
+                                share_line(f"regularisation ({len(regularization)} images)", prior, f"prior_share {prior:g}")])
+        return dataclasses.replace(planned, text=f"{planned.text}\n{shares}")
 
     # ---------------------------------------------------------------- runs
     def start(self, images_folder: str, preset: str, base_model: str | None, trigger_word: str = "", steps=None,
               sample_every=None, rows=None, copy_images: bool = False, captions: str = "required", masks: bool = False,
-              regularization_folder: str = "", references_folder: str = "", optimizer: str = "adamw") -> str:
-        """Check everything, then create the run folder and start ``krea2 train``; returns the run id.
+              regularization_folder: str = "", references_folder: str = "", optimizer: str = "adamw",
+              prior_share=None) -> str:
+        """Check everything, then create the run folder and start ``krea2 train`` (queued while another
+        run trains: it starts when the runs before it end); returns the run id.
         ``captions``: one of :data:`CAPTION_MODES`. ``masks``: train each image where its
         ``NAME.mask.png`` beside it is white. ``regularization_folder``: captioned images of the
         subject's class, trained beside it to keep the class prior (``data.datasets``).
         ``references_folder``: pairs mode (edit / reference LoRA): the images are the targets, their
         captions the instructions, and each one's reference images are read from this folder.
-        ``optimizer``: one of :data:`~train_tab.presets.TRAIN_OPTIMIZERS` (``prodigy`` sets its own step size)."""
-        busy = self.runs.running()
-        if busy is not None:
-            raise TrainInputError(f"Run {busy} is still running: stop it before starting another.")
+        ``optimizer``: one of :data:`~train_tab.presets.TRAIN_OPTIMIZERS` (``prodigy`` sets its own step size).
+        ``prior_share``: the regularisation images' share of the samples drawn, in (0, 1) (default
+        :data:`PRIOR_SHARE`, whatever the two folders' sizes)."""
         if captions not in CAPTION_MODES:
             raise TrainInputError(f"captions must be one of {', '.join(map(repr, CAPTION_MODES))}, got {captions!r}.")
         if optimizer not in TRAIN_OPTIMIZERS:
             raise TrainInputError(f"optimizer must be one of {', '.join(map(repr, TRAIN_OPTIMIZERS))}, got {optimizer!r}.")
         self.counts(self.check_preset(preset), steps, sample_every)  # refused before the images are read
+        # only with regularisation images (without, nothing reads it): refused before any folder is read
+        prior = share("prior_share", prior_share, PRIOR_SHARE) if (regularization_folder or "").strip() else PRIOR_SHARE
         base = self.base(base_model)
         trigger = (trigger_word or "").strip()
         rows = self.images(images_folder, rows)
@@ -230,7 +272,7 @@ class TrainActions:
 
         def config(run_dir: Path, manifest: Path) -> dict:
             return self.config_for(run_dir, manifest, preset, base, trigger, steps, sample_every, prompt, masks,
-                                   regularization is not None, references[0] if references else None, optimizer)
+                                   regularization is not None, references[0] if references else None, optimizer, prior)
 
         return self.runs.create_and_start(config, rows, trigger, copy=copy_images, regularization=regularization,
                                           references=references)
@@ -238,14 +280,41 @@ class TrainActions:
     def resume(self, run_id: str) -> None:
         self.runs.start(run_id, resume=True)
 
+    def started(self, run_id: str) -> str:
+        """What a start says: started, or queued at its place."""
+        position = self.runs.queue_position(run_id)
+        if position is None:
+            return f"Started {run_id}."
+        before = "the run before it ends" if position == 1 else f"the {position} runs before it end"
+        return f"Queued {run_id} (position {position}): it starts when {before}."
+
     def stop(self, run_id: str) -> str:
+        if self.runs.dequeue(run_id):
+            return f"Removed {run_id} from the queue: it never started (Resume starts it)."
         if not self.runs.stop(run_id):
             return f"Run {run_id} is not running ({self.runs.state(run_id)})."
         return f"Stopping {run_id}: it saves a checkpoint, then exits (Resume continues from there)."
 
+    def sample_now(self, run_id: str) -> str:
+        """The running run samples its validation prompts (and measures its report) after its current step."""
+        self.runs.ask(run_id, "sample")
+        return f"Asked {run_id} for a sample set after its current step (it keeps training)."
+
+    def save_now(self, run_id: str) -> str:
+        """The running run saves a checkpoint after its current step."""
+        self.runs.ask(run_id, "save")
+        return f"Asked {run_id} for a checkpoint after its current step (it keeps training)."
+
+    def export_step(self, run_id: str, step) -> list[str]:
+        """Checkpoint ``step`` of the run exported into ``RUN/exports/step-N/``; the files written."""
+        return [str(p) for p in export_step(self.runs.folder(run_id), self.runs.config(run_id), step)]
+
     def progress(self, run_id: str) -> str:
         """``state, step / total · loss`` from ``metrics.jsonl`` (and the log's tail of a failed run)."""
         status = self.runs.status(run_id)
+        if status["state"] == "queued":
+            return (f"**{run_id}**: queued, position {status['queue_position']} of {len(self.runs.waiting())} "
+                    f"({status['total']} steps; it starts when the run before it ends)")
         text = f"**{run_id}**: {status['state']}, step {status['step']} / {status['total']}"
         if status["loss"] is not None:
             text += f" · loss {status['loss']:.4f}"

@@ -8,11 +8,19 @@ Training runs as ``krea2 train`` in a subprocess (its own session: it outlives a
 at a time per runs folder, whichever app started it: a start checks, creates and launches holding
 the folder's ``.runs.lock`` (a file lock, so a second app on the same folder waits its turn), and a
 run whose ``lock.json`` names a live process (same pid, same start time) is running, for this app
-or one started later. Stop sends SIGTERM: ``krea2 train`` starts with SIGTERM blocked and unblocks
-it once its handler listens (:mod:`finetune.stop`), so a stop in its first seconds is held, never
-fatal; it saves a checkpoint and exits with 130 (before its first step: no checkpoint; after its
-last step: it finishes its export and exits with 0). Status is read back from those files, so runs
-of an earlier session are listed too.
+or one started later (a trainer's exit is recorded, and its lock removed, under that file lock and
+only while the lock is still its own: a start that came in between keeps its lock). Stop sends
+SIGTERM: ``krea2 train`` starts with SIGTERM blocked and unblocks it once its handler listens
+(:mod:`finetune.stop`), so a stop in its first seconds is held, never fatal; it saves a checkpoint
+and exits with 130 (before its first step: no checkpoint; after its last step: it finishes its
+export and exits with 0). Status is read back from those files, so runs of an earlier session are
+listed too.
+
+A start while a run trains is queued (:mod:`train_tab.queue`: ``queued.json`` in its folder): this
+app starts its queued runs in order, from a thread of its own, each once nothing trains in the root
+(a run queued by another live app, queued earlier, goes first). Stopping a queued run takes it out
+of the queue. "Sample now" and "Save now" ask the running trainer through ``RUN/requests/``
+(:mod:`finetune.run_requests`); its checkpoint report (``report.json``) comes with its status.
 """
 
 from __future__ import annotations
@@ -35,11 +43,15 @@ from typing import Iterator
 import yaml
 
 from finetune.data.captions import with_prefix
+from finetune.report.writer import JSON_NAME as REPORT_NAME
+from finetune.run_requests import ask as ask_run
+from finetune.run_requests import clear as clear_requests
 from finetune.stop import STOPPED_CODE  # krea2 train: stopped by a signal (a checkpoint if a step ran)
 from krea2_diffusers.files import atomic_write
 from krea2_diffusers.processes import process_start_time
 
 from .errors import TrainInputError
+from .queue import QUEUED_NAME, enqueue, leave, ticket_of, waiting
 
 CONFIG_NAME = "train.yaml"
 MANIFEST_NAME = "dataset.jsonl"
@@ -48,10 +60,12 @@ LOG_NAME = "train.log"
 EXIT_NAME = "exit.json"
 LOCK_NAME = "lock.json"  # {"pid", "started"}: the process training the run
 ROOT_LOCK_NAME = ".runs.lock"  # flock'ed while a start checks, creates and launches
-STATES = ("running", "stopped", "done", "failed")
+STATES = ("queued", "running", "stopped", "done", "failed")
 # A run id: one folder name, as run_id_for makes them (no separator, no dot: never outside the root).
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 CLOSE_REPORT_EVERY_S = 30  # close(): how often it says it is still waiting for a checkpoint
+QUEUE_POLL_S = 0.5  # how often the queue looks for the end of the run before
+NOT_STARTED_CODE = -1  # exit.json of a queued run that could not start (its state: failed)
 TRAIN_COMMAND = (sys.executable, "-m", "krea2_diffusers.cli", "train")
 
 logger = logging.getLogger(__name__)
@@ -74,6 +88,8 @@ class Runs:
         self._processes: dict[str, subprocess.Popen] = {}
         self._stopping: set[str] = set()
         self._lock = threading.RLock()  # this app's threads; the root's file lock is for other apps
+        self._queued_env: dict[str, dict | None] = {}  # the extra environment of each run this app queued
+        self._queue_thread: threading.Thread | None = None
 
     # ---------------------------------------------------------------- the folder
     def path(self, run_id: str) -> Path:
@@ -102,13 +118,15 @@ class Runs:
         return [(run_id, self.state(run_id)) for run_id in self.ids()]
 
     def create(self, raw_config_for, rows: list[list[str]], trigger_word: str, copy: bool = False,
-               regularization: list[list[str]] | None = None, references: list[list[str]] | None = None) -> str:
+               regularization: list[list[str]] | None = None, references: list[list[str]] | None = None,
+               queued: bool = False) -> str:
         """A new run folder with its manifest and config; ``raw_config_for(run_dir, manifest)`` is
         the config mapping. Captions get the trigger word in front (unless they hold it already).
         ``copy``: the images are copied into ``images/`` (uploads: Gradio's temporary files go away).
         ``regularization``: rows of regularisation images, written (captions as they are) to
         ``regularization.jsonl``. ``references``: per row its reference images (a pairs run), written
-        into the manifest's ``references`` field."""
+        into the manifest's ``references`` field. ``queued``: the run is queued for this app, before
+        its config is written (the runs list never shows it in another state first)."""
         self.root.mkdir(parents=True, exist_ok=True)
         run_id = run_id_for(trigger_word)
         while True:
@@ -133,6 +151,8 @@ class Runs:
             with atomic_write(folder / REGULARIZATION_NAME, "w") as handle:
                 for path, caption in regularization:
                     handle.write(json.dumps({"path": str(Path(path).resolve()), "caption": caption}) + "\n")
+        if queued:
+            enqueue(folder)
         with atomic_write(folder / CONFIG_NAME, "w") as handle:
             yaml.safe_dump(raw_config_for(folder, manifest), handle, sort_keys=False)
         return run_id
@@ -147,14 +167,19 @@ class Runs:
             fcntl.flock(handle, fcntl.LOCK_EX)
             yield
 
-    def _holder(self, folder: Path) -> int | None:
-        """The pid ``lock.json`` names when that process still runs (same start time), else None (stale)."""
+    @staticmethod
+    def _lock_of(folder: Path) -> tuple[int, float] | None:
+        """``(pid, start time)`` that ``lock.json`` names, or None (no lock, or an unreadable one)."""
         try:
             lock = json.loads((folder / LOCK_NAME).read_text())
-            pid, started = int(lock["pid"]), float(lock["started"])
+            return int(lock["pid"]), float(lock["started"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        return pid if process_start_time(pid) == started else None
+
+    def _holder(self, folder: Path) -> int | None:
+        """The pid ``lock.json`` names when that process still runs (same start time), else None (stale)."""
+        lock = self._lock_of(folder)
+        return lock[0] if lock is not None and process_start_time(lock[0]) == lock[1] else None
 
     def _own(self, run_id: str) -> subprocess.Popen | None:
         with self._lock:
@@ -176,12 +201,70 @@ class Runs:
     def create_and_start(self, raw_config_for, rows: list[list[str]], trigger_word: str, copy: bool = False,
                          env: dict | None = None, regularization: list[list[str]] | None = None,
                          references: list[list[str]] | None = None) -> str:
-        """:meth:`create` then :meth:`start`, as one step: nothing is created while another run is going."""
+        """:meth:`create` then :meth:`start`, as one step; while a run trains (or others wait), the new
+        run is queued instead: it starts after them."""
         with self._exclusive():
-            self._refuse_if_busy()
-            run_id = self.create(raw_config_for, rows, trigger_word, copy, regularization, references)
-            self._launch(run_id, False, env)
+            busy = self.running() is not None or bool(self.waiting())
+            run_id = self.create(raw_config_for, rows, trigger_word, copy, regularization, references, queued=busy)
+            if busy:
+                self._queued_env[run_id] = env
+                self._serve_queue()
+            else:
+                self._launch(run_id, False, env)
         return run_id
+
+    # ---------------------------------------------------------------- the queue
+    def waiting(self) -> list[str]:
+        """The queued runs of the root (this app's and other live apps'), first in line first."""
+        return [folder.name for folder, _ in waiting([self.root / run_id for run_id in self.ids()])]
+
+    def queue_position(self, run_id: str) -> int | None:
+        """1 for the next run to start, 2 after it ...; None when ``run_id`` is not queued."""
+        queue = self.waiting()
+        return queue.index(run_id) + 1 if run_id in queue else None
+
+    def dequeue(self, run_id: str) -> bool:
+        """Take a queued run out of the queue (it ends "stopped", never started: Resume starts it);
+        False when it is not queued."""
+        folder = self.folder(run_id)
+        with self._exclusive():
+            if ticket_of(folder) is None:
+                return False
+            self._queued_env.pop(run_id, None)
+            with atomic_write(folder / EXIT_NAME, "w") as handle:
+                handle.write(json.dumps({"returncode": STOPPED_CODE}))
+            leave(folder)
+        return True
+
+    def _serve_queue(self) -> None:
+        """The thread that starts this app's queued runs (one at a time, while it has any)."""
+        with self._lock:
+            if self._queue_thread is None or not self._queue_thread.is_alive():
+                self._queue_thread = threading.Thread(target=self._queue_turns, name="train-queue", daemon=True)
+                self._queue_thread.start()
+
+    def _queue_turns(self) -> None:
+        """Until this app has no run queued: once nothing trains in the root, the first run in line
+        starts when it is this app's (another app's first one is that app's to start)."""
+        while True:
+            time.sleep(QUEUE_POLL_S)
+            with self._exclusive():
+                queue = waiting([self.root / run_id for run_id in self.ids()])
+                if not any(ticket.mine for _, ticket in queue):
+                    self._queue_thread = None
+                    return
+                folder, ticket = queue[0]
+                if not ticket.mine or self.running() is not None:
+                    continue
+                try:
+                    self._launch(folder.name, False, self._queued_env.pop(folder.name, None))
+                except Exception as err:  # it cannot start (its folder changed, ...): it fails, the others go on
+                    logger.exception("queued run %s could not start", folder.name)
+                    with open(folder / LOG_NAME, "a") as log:
+                        log.write(f"not started from the queue: {err}\n")
+                    with atomic_write(folder / EXIT_NAME, "w") as handle:
+                        handle.write(json.dumps({"returncode": NOT_STARTED_CODE}))
+                    leave(folder)
 
     def _refuse_if_busy(self) -> None:
         busy = self.running()
@@ -195,6 +278,10 @@ class Runs:
         if resume and self.state(run_id) == "done":
             raise TrainInputError(f"Run {run_id} has finished; there is nothing to resume.")
         (folder / EXIT_NAME).unlink(missing_ok=True)
+        clear_requests(folder)  # "Sample now" / "Save now" asked of an earlier start of it
+        # Stale (a live one was refused above): any lock.json found later that is not this process's
+        # is then a newer start's, which its exit handling leaves alone (_record_exit).
+        (folder / LOCK_NAME).unlink(missing_ok=True)
         command = [*self.train_command, str(folder / CONFIG_NAME)] + (["--resume"] if resume else [])
         with open(folder / LOG_NAME, "a") as log:
             log.write(f"$ krea2 train {folder / CONFIG_NAME}{' --resume' if resume else ''}\n")
@@ -213,14 +300,23 @@ class Runs:
                 handle.write(json.dumps({"pid": process.pid, "started": started}))
         self._processes[run_id] = process
         self._stopping.discard(run_id)
-        threading.Thread(target=self._record_exit, args=(folder, process), daemon=True).start()
+        leave(folder)  # a queued run leaves the queue only now: it is seen queued, then running, nothing between
+        threading.Thread(target=self._record_exit, args=(folder, process, started), daemon=True).start()
 
-    @staticmethod
-    def _record_exit(folder: Path, process: subprocess.Popen) -> None:
+    def _record_exit(self, folder: Path, process: subprocess.Popen, started: float | None) -> None:
+        """Once ``process`` (launched at ``started``) exits: its exit record, and its lock removed,
+        both only while ``lock.json`` is still its own (or there is none). Once it is reaped its lock
+        is stale, so another app may start the run again before this thread runs: that start's lock
+        and cleared exit record are left alone. Compare-and-unlink without a window: every lock.json
+        is written under the root's file lock (:meth:`_launch`), which this holds too."""
         code = process.wait()
-        with atomic_write(folder / EXIT_NAME, "w") as handle:
-            handle.write(json.dumps({"returncode": code}))
-        (folder / LOCK_NAME).unlink(missing_ok=True)
+        with self._exclusive():
+            lock = self._lock_of(folder)
+            if lock is not None and lock != (process.pid, started):
+                return
+            with atomic_write(folder / EXIT_NAME, "w") as handle:
+                handle.write(json.dumps({"returncode": code}))
+            (folder / LOCK_NAME).unlink(missing_ok=True)
 
     def stop(self, run_id: str) -> bool:
         """SIGTERM to the run's process (once); False if it is not running. A run past its last
@@ -242,13 +338,28 @@ class Runs:
             os.kill(pid, signal.SIGTERM)
         return True
 
+    def ask(self, run_id: str, kind: str) -> None:
+        """"Sample now" (``kind`` "sample") or "Save now" ("save"): the running trainer samples the
+        validation prompts, or saves a checkpoint, after its current step and goes on
+        (:mod:`finetune.run_requests`); refused unless the run is running and before its last step."""
+        state = self.state(run_id)
+        if state != "running":
+            raise TrainInputError(f"Run {run_id} is {state}: samples and checkpoints on demand are for a running run.")
+        if self._past_last_step(run_id):
+            raise TrainInputError(f"Run {run_id} has run its last step: its final checkpoint and samples are being written.")
+        ask_run(self.folder(run_id), kind)
+
     def _past_last_step(self, run_id: str) -> bool:
         rows = self.metrics(run_id)
         return bool(rows) and rows[-1].get("step", 0) >= int(self.config(run_id)["training"]["max_steps"])
 
     def close(self) -> None:
         """Stop every run this app started and wait for each to exit. A stopping trainer writes its
-        checkpoint first (a full-size step takes minutes): it is waited for, never killed."""
+        checkpoint first (a full-size step takes minutes): it is waited for, never killed. This app's
+        queued runs leave the queue first (none starts while it closes; Resume starts them later)."""
+        for folder, ticket in waiting([self.root / run_id for run_id in self.ids()]):
+            if ticket.mine:
+                self.dequeue(folder.name)
         with self._lock:
             going = {r: p for r, p in self._processes.items() if p.poll() is None}
         for run_id in going:
@@ -269,8 +380,10 @@ class Runs:
         process = self._own(run_id)
         if process is not None and process.poll() is None:
             return "running"
-        if process is None and self._holder(folder) is not None:
+        if self._holder(folder) is not None:  # started by another app (also after this app's own trainer of it exited)
             return "running"
+        if ticket_of(folder) is not None:
+            return "queued"
         exit_file = folder / EXIT_NAME
         if exit_file.is_file():
             code = json.loads(exit_file.read_text())["returncode"]
@@ -280,7 +393,8 @@ class Runs:
             return "done" if code == 0 else "stopped" if code == STOPPED_CODE else "failed"
         if any(folder.glob("lora_*.safetensors")):
             return "done"
-        return "stopped" if (folder / "checkpoints").is_dir() else "failed"
+        # A stale queue mark: its app exited before its turn (a stop, not a failure)
+        return "stopped" if (folder / "checkpoints").is_dir() or (folder / QUEUED_NAME).is_file() else "failed"
 
     def config(self, run_id: str) -> dict:
         return yaml.safe_load((self.folder(run_id) / CONFIG_NAME).read_text())
@@ -309,10 +423,20 @@ class Runs:
         path = self.folder(run_id) / LOG_NAME
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else ""
 
+    def report(self, run_id: str) -> dict | None:
+        """The run's checkpoint report (``report.json``, :mod:`finetune.report`), None before its first validation."""
+        path = self.folder(run_id) / REPORT_NAME
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):  # none yet (written whole: never half a file)
+            return None
+
     def status(self, run_id: str) -> dict:
-        """``{"state", "step", "total", "loss", "samples", "exports"}`` (the ``/train_status`` answer)."""
+        """``{"state", "step", "total", "loss", "samples", "exports", "queue_position", "report"}``
+        (the ``/train_status`` answer)."""
         rows = self.metrics(run_id)
         return {"state": self.state(run_id), "step": rows[-1]["step"] if rows else 0,
                 "total": int(self.config(run_id)["training"]["max_steps"]),
                 "loss": rows[-1]["loss"] if rows else None, "samples": [str(p) for p in self.samples(run_id)],
-                "exports": [str(p) for p in self.exports(run_id)]}
+                "exports": [str(p) for p in self.exports(run_id)], "queue_position": self.queue_position(run_id),
+                "report": self.report(run_id)}

@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 from finetune.config import ObjectiveConfig  # noqa: E402
 from finetune.engine.parallel import apply_activation_checkpointing  # noqa: E402
-from finetune.optimization.objective import add_noise, flow_matching_loss, sample_timesteps  # noqa: E402
+from finetune.optimization.objective import add_noise, flow_matching_loss  # noqa: E402
+from finetune.optimization.timesteps import sample_timesteps  # noqa: E402
 from finetune.pretrain.architecture import init_from_scratch_, transformer_config  # noqa: E402
 from finetune.pretrain.config import PretrainModelConfig, PretrainOptimizerConfig  # noqa: E402
 from finetune.pretrain.optimizers import make_optimizers  # noqa: E402

@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 from finetune.config import LoRAConfig, ObjectiveConfig, OptimizerConfig  # noqa: E402
 from finetune.methods import add_lora  # noqa: E402
-from finetune.optimization.objective import add_noise, flow_matching_loss, sample_timesteps  # noqa: E402
+from finetune.optimization.objective import add_noise, flow_matching_loss  # noqa: E402
+from finetune.optimization.timesteps import sample_timesteps  # noqa: E402
 from finetune.optimization.optim import make_optimizer  # noqa: E402
 from krea2_diffusers.latents import position_ids  # noqa: E402
 from krea2_diffusers.models.tiny import tiny_transformer_config  # noqa: E402

@@ -68,12 +68,14 @@ def _autoencode(vae, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 
 def train_autoencoder(train: np.ndarray, heldout: np.ndarray, folder: Path, steps: int, batch_size: int = 32,
                       crop: int = 32, learning_rate: float = 1e-3, seed: int = 0, device: str = "cpu",
-                      log=None) -> AutoencoderResult:
+                      log=None, stats_images: int | None = None) -> AutoencoderResult:
     """Train a tiny ``AutoencoderKLQwenImage`` on uint8 (N, H, W, 3) ``train`` images (L1 + MSE + KL,
     AdamW, warmup-stable-decay), set its latent statistics, save it to ``folder`` (atomically, refusing an
     existing one) and measure it on whole ``heldout`` images. It trains on random ``crop`` px
     crops (on the 8 px latent grid, inside the border): a convolutional VAE sees the same stroke
-    scale at a quarter of the cost of whole 64 px images. Compute under the project's precision policy (bf16 autocast
+    scale at a quarter of the cost of whole 64 px images. The latent statistics are those of the
+    first ``stats_images`` training images (None: all; encoding every image costs --quick more than
+    its training steps). Compute under the project's precision policy (bf16 autocast
     where :func:`krea2_diffusers.precision.compute_dtype` says so)."""
     from diffusers import AutoencoderKLQwenImage
 
@@ -120,9 +122,10 @@ def train_autoencoder(train: np.ndarray, heldout: np.ndarray, folder: Path, step
         if log is not None and (step + 1) % 10 == 0:
             log(f"vae step {step + 1}/{steps}: loss {loss.item():.4f}")
     vae.eval()
+    counted = pixels if stats_images is None else pixels[torch.randperm(len(pixels), generator=generator)[:stats_images]]
     with torch.no_grad():
-        means = torch.cat([vae.encode((pixels[i:i + 128].to(device) * 2 - 1)[:, :, None]).latent_dist.mode()[:, :, 0]
-                           for i in range(0, len(pixels), 128)])
+        means = torch.cat([vae.encode((counted[i:i + 128].to(device) * 2 - 1)[:, :, None]).latent_dist.mode()[:, :, 0]
+                           for i in range(0, len(counted), 128)])
     vae.register_to_config(latents_mean=means.mean(dim=(0, 2, 3)).tolist(),
                            latents_std=means.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist())
     recon = reconstruct(vae, heldout, device=device)

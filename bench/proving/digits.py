@@ -1,6 +1,7 @@
 """The data: scikit-learn's 1,797 real 8x8 handwritten digit scans (shipped in its wheel, nothing
-downloaded) as RGB images at the training resolution, a fixed held-out split, captions, and the
-LoRA stage's concept set (the same scans in red ink).
+downloaded) as RGB images at the training resolution, a fixed held-out split, captions, the
+LoRA stage's concept set (the same scans in red ink), and the two disjoint halves of the training
+split the judge and the reward learn from.
 
 Rendering: DARK INK ON LIGHT PAPER, as a scan looks. The 8x8 intensities (0..16) are upscaled
 bicubically (smooth strokes a VAE reconstructs; nearest-neighbour blocks would spend the VAE's
@@ -19,7 +20,7 @@ NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight",
 PAPER = (255, 255, 255)
 BLACK_INK = (0, 0, 0)
 RED_INK = (220, 20, 20)
-# Fixed forever, so every run holds out the same scans.
+# The held-out split of ``--seed 0`` (the split the settings were tuned on); ``--seed S`` draws its own.
 SPLIT_SEED = 0
 HELDOUT_PER_DIGIT = 36
 # Concept measure (see :func:`shows_red_ink`): a pixel is ink when it is this much darker than
@@ -62,20 +63,34 @@ def render(scans: np.ndarray, resolution: int, ink=BLACK_INK) -> np.ndarray:
     return np.round(paper * (1 - alpha) + ink * alpha).astype(np.uint8)
 
 
-def load_splits(resolution: int) -> Splits:
+def load_splits(resolution: int, seed: int = SPLIT_SEED) -> Splits:
     """The digits at ``resolution`` px: :data:`HELDOUT_PER_DIGIT` scans of each digit held out (360),
-    drawn once with :data:`SPLIT_SEED`; the other 1,437 are the training split."""
+    drawn with ``seed``; the other 1,437 are the training split."""
     from sklearn.datasets import load_digits
 
     data = load_digits()
     scans = (data.images / 16.0).astype(np.float32)
     labels = data.target.astype(np.int64)
-    rng = np.random.default_rng(SPLIT_SEED)
+    rng = np.random.default_rng(seed)
     heldout = np.zeros(len(labels), bool)
     for digit in range(10):
         heldout[rng.choice(np.flatnonzero(labels == digit), HELDOUT_PER_DIGIT, replace=False)] = True
     return Splits(render(scans[~heldout], resolution), labels[~heldout], render(scans[heldout], resolution),
                   labels[heldout], scans[~heldout], scans[heldout])
+
+
+def halves(labels: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two disjoint index arrays into the training split (``labels``: int (N,)), each with half of every
+    digit's scans (the first gets the odd one out): the judge learns from the first, the reward from
+    the second, so no scan teaches both."""
+    rng = np.random.default_rng(seed)
+    first, second = [], []
+    for digit in np.unique(labels):
+        index = rng.permutation(np.flatnonzero(labels == digit))
+        cut = (len(index) + 1) // 2
+        first.append(index[:cut])
+        second.append(index[cut:])
+    return np.sort(np.concatenate(first)), np.sort(np.concatenate(second))
 
 
 def red_ink_share(images: np.ndarray) -> np.ndarray:
@@ -87,6 +102,15 @@ def red_ink_share(images: np.ndarray) -> np.ndarray:
     ink = (1 - rgb.mean(axis=-1) / 255) >= INK_DARKNESS
     red = (rgb[..., 0] - rgb[..., 1:].max(axis=-1)) >= RED_MARGIN
     return (ink & red).sum(axis=(1, 2)) / np.maximum(ink.sum(axis=(1, 2)), 1)
+
+
+def redness(images: np.ndarray) -> np.ndarray:
+    """float (N,): the mean of R - max(G, B) over each uint8 (N, H, W, 3) image's ink pixels, in [-1, 1]
+    of full scale (0 without ink): a graded view that moves before any pixel passes :data:`RED_MARGIN`."""
+    rgb = images.astype(np.float32)
+    ink = (1 - rgb.mean(axis=-1) / 255) >= INK_DARKNESS
+    margin = (rgb[..., 0] - rgb[..., 1:].max(axis=-1)) / 255
+    return (margin * ink).sum(axis=(1, 2)) / np.maximum(ink.sum(axis=(1, 2)), 1)
 
 
 def shows_red_ink(images: np.ndarray) -> np.ndarray:

@@ -1,11 +1,14 @@
 """The proving ground's EVALUATION classifier (the judge), and the one small-classifier trainer.
 
-The judge is not the post-training reward (:mod:`proving.rewards`): a different network (a
-ReLU CNN on 16x16 grayscale, where the reward is a SiLU CNN on 32x32) with its own seed, trained
-on the same training split; neither ever sees the held-out split, on which both report their
-accuracy. Its 64-d penultimate activations are the feature space of the Frechet distance (to the
-real held-out digits) and of the per-digit diversity, so a method that collapses each digit to one
-image, or draws digits unlike the real ones, shows even when it is "accurate".
+The judge is independent of the post-training reward (:mod:`proving.rewards`, issue 39): it learns
+from the other half of the training split (:func:`proving.digits.halves`; no scan teaches both,
+and neither ever sees the held-out split, on which both report their accuracy), and it is another
+kind of model. It READS digits with :mod:`proving.reader` (logistic regression on gradient-
+orientation features, where the reward is a CNN), and it MEASURES realism with a CNN of its own
+(:class:`JudgeNet`, a ReLU CNN on 16x16 grayscale, trained on the judge's half): its 64-d
+penultimate activations are the feature space of the Frechet distance (to the real held-out
+digits) and of the per-digit diversity, so a method that collapses each digit to one image, or
+draws digits unlike the real ones, shows even when it is "accurate".
 
 Images everywhere are uint8 (N, H, W, 3) arrays (``proving.digits.Splits``) or float tensors
 (N, 3, H, W) in [0, 1]; the networks take grayscale area-resized to their own input size, so any
@@ -15,6 +18,7 @@ training resolution works and ink polarity is whatever the data uses.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -79,9 +83,10 @@ def augment(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 
 
 def fit_classifier(net: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, seed: int,
-                   epochs: int, learning_rate: float = 3e-3, batch_size: int = 64) -> nn.Module:
+                   epochs: int, learning_rate: float = 3e-3, batch_size: int = 64, extra_augment=None) -> nn.Module:
     """Train ``net`` on ``inputs`` (N, 1, S, S) with int ``labels`` (N,): Adam, cross-entropy,
-    :func:`augment` on every batch, cosine-decayed learning rate. Returns it in eval mode."""
+    :func:`augment` (then ``extra_augment(x, generator)`` if given) on every batch, cosine-decayed
+    learning rate. Returns it in eval mode."""
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.Adam(net.parameters(), lr=learning_rate)
     batches = epochs * -(-len(inputs) // batch_size)
@@ -91,7 +96,10 @@ def fit_classifier(net: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, s
         order = torch.randperm(len(inputs), generator=generator)
         for start in range(0, len(inputs), batch_size):
             index = order[start:start + batch_size]
-            loss = F.cross_entropy(net(augment(inputs[index], generator)), labels[index])
+            x = augment(inputs[index], generator)
+            if extra_augment is not None:
+                x = extra_augment(x, generator)
+            loss = F.cross_entropy(net(x), labels[index])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -133,45 +141,60 @@ def diversity(features: np.ndarray, labels: np.ndarray) -> float:
 
 @dataclass
 class Judge:
-    """The trained evaluation classifier and the real held-out digits' features it compares to."""
+    """The judge: ``reader`` reads the digit (accuracy), ``net`` gives the features of FD and diversity,
+    compared with the real held-out digits' ``heldout_features``. ``heldout_accuracy`` is the reader's on
+    the held-out scans, ``features_heldout_accuracy`` the feature CNN's own."""
 
     net: JudgeNet
+    reader: object
     heldout_accuracy: float
     heldout_features: np.ndarray
     heldout_diversity: float
+    features_heldout_accuracy: float = 0.0
 
     @torch.no_grad()
-    def features_and_predictions(self, images) -> tuple[np.ndarray, np.ndarray]:
-        """images (N, H, W, 3) uint8 or (N, 3, H, W) in [0, 1] -> features (N, 64), predicted digits (N,)."""
+    def features(self, images) -> np.ndarray:
+        """images (N, H, W, 3) uint8 or (N, 3, H, W) in [0, 1] -> the feature CNN's (N, 64)."""
         x = grayscale(to_tensor(images), JUDGE_SIZE)
-        features = torch.cat([self.net.features(chunk) for chunk in x.split(256)])
-        return features.numpy(), self.net.head(features).argmax(1).numpy()
+        return torch.cat([self.net.features(chunk) for chunk in x.split(256)]).numpy()
+
+    def predict(self, images) -> np.ndarray:
+        """int64 (N,): the digit the reader reads in each image."""
+        return self.reader.predict(images)
 
     def accuracy(self, images, labels) -> float:
-        return float((self.features_and_predictions(images)[1] == np.asarray(labels)).mean())
+        return float((self.predict(images) == np.asarray(labels)).mean())
 
     def evaluate(self, images, labels) -> dict[str, float]:
-        """{"accuracy": share predicted as ``labels`` (N,), "fd": Frechet distance to the real
-        held-out digits in the judge's feature space, "diversity": :func:`diversity`}."""
-        features, predicted = self.features_and_predictions(images)
-        labels = np.asarray(labels)
-        return {"accuracy": float((predicted == labels).mean()),
+        """{"accuracy": share read as ``labels`` (N,), "fd": Frechet distance to the real held-out
+        digits in the feature CNN's space, "diversity": :func:`diversity` there}."""
+        features, labels = self.features(images), np.asarray(labels)
+        return {"accuracy": self.accuracy(images, labels),
                 "fd": frechet_distance(features, self.heldout_features),
                 "diversity": diversity(features, labels)}
 
     def save(self, path) -> None:
-        """safetensors weights (never pickled), atomically; :func:`load_judge` reads them back."""
+        """The feature CNN at ``path`` and the reader beside it (``<stem>_reader.safetensors``),
+        safetensors (never pickled), atomically; :func:`load_judge_net` / ``reader.load_reader`` read them."""
         from safetensors.torch import save_file
 
         from krea2_diffusers.files import atomic_path
 
+        path = Path(path)
         with atomic_path(path) as tmp:
             save_file({k: v.contiguous() for k, v in self.net.state_dict().items()}, str(tmp),
-                      metadata={"heldout_accuracy": repr(self.heldout_accuracy)})
+                      metadata={"heldout_accuracy": repr(self.features_heldout_accuracy)})
+        self.reader.save(reader_path(path))
+
+
+def reader_path(path) -> Path:
+    """Where :meth:`Judge.save` puts the reader of the judge saved at ``path``."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}_reader.safetensors")
 
 
 def load_judge_net(path) -> JudgeNet:
-    """The judge's network from :meth:`Judge.save`'s file (for the reward's accuracy log)."""
+    """The judge's feature network from :meth:`Judge.save`'s file."""
     from safetensors.torch import load_file
 
     net = JudgeNet()
@@ -179,18 +202,23 @@ def load_judge_net(path) -> JudgeNet:
     return net.eval()
 
 
-def train_judge(splits, seed: int = 1, epochs: int = 40) -> Judge:
-    """Train the judge on ``splits.train`` (uint8 (N, H, W, 3)) / ``splits.train_labels``; measure
-    it on the held-out split, whose features become the FD reference."""
+def train_judge(splits, seed: int = 1, epochs: int = 40, scans=None) -> Judge:
+    """Train the judge on the training split's images ``scans`` (indices; None: all of them): the reader
+    and the feature CNN; measure both on the held-out split, whose CNN features become the FD reference."""
+    from .reader import fit_reader
+
+    index = np.arange(len(splits.train_labels)) if scans is None else np.asarray(scans)
+    images, labels = splits.train[index], np.asarray(splits.train_labels)[index]
     torch.manual_seed(seed)
     net = JudgeNet()
-    inputs = grayscale(to_tensor(splits.train), JUDGE_SIZE)
-    labels = torch.as_tensor(np.asarray(splits.train_labels), dtype=torch.long)
-    fit_classifier(net, inputs, labels, seed, epochs)
-    judge = Judge(net, 0.0, np.zeros((0, FEATURES)), 0.0)
-    features, predicted = judge.features_and_predictions(splits.heldout)
+    fit_classifier(net, grayscale(to_tensor(images), JUDGE_SIZE), torch.as_tensor(labels, dtype=torch.long), seed, epochs)
+    judge = Judge(net, fit_reader(images, labels, seed), 0.0, np.zeros((0, FEATURES)), 0.0)
     heldout_labels = np.asarray(splits.heldout_labels)
-    judge.heldout_accuracy = float((predicted == heldout_labels).mean())
+    features = judge.features(splits.heldout)
+    with torch.no_grad():
+        cnn = net.head(torch.from_numpy(features)).argmax(1).numpy()
+    judge.heldout_accuracy = judge.accuracy(splits.heldout, heldout_labels)
+    judge.features_heldout_accuracy = float((cnn == heldout_labels).mean())
     judge.heldout_features = features
     judge.heldout_diversity = diversity(features, heldout_labels)
     return judge

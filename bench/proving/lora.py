@@ -1,7 +1,14 @@
 """The concept LoRA through ``krea2 train``: the digits written in red ink (:data:`digits.RED_INK`),
 captioned with a trigger word, plus the same number of ordinary black-ink scans with plain captions
 as a regularization dataset (``is_regularization``: prior preservation), so that prompts without the
-trigger keep giving black ink while the LoRA is loaded."""
+trigger keep giving black ink while the LoRA is loaded.
+
+And the same concept as a user trains it (issue 39, :func:`user_lora_config`): a config that sets the
+data (the folder, the trigger word in its captions, caption dropout, the model's resolution), the
+steps, the learning rate and the rank, every other key at the trainer's default (batch 1, its
+scheduler, the default LoRA targets, no regularization set); ``lora_ema`` the same with
+``training.ema`` at its defaults. The only other keys are the run's own: its folder, the base, and
+``training.seed`` (every run's data order and noise follow ``--seed``)."""
 
 from __future__ import annotations
 
@@ -29,6 +36,18 @@ class LoraSpec:
     seed: int = 0
     concept_caption_dropout: float = 0.0
     """Share of concept images trained with an empty caption (the concept set's ``caption_dropout``)."""
+
+
+@dataclass
+class UserLoraSpec:
+    """What a user's config sets (see the module docstring)."""
+
+    steps: int
+    learning_rate: float
+    rank: int
+    caption_dropout: float = 0.05
+    images: int = 300
+    """Red-ink scans drawn from the training split (the same draw as :class:`LoraSpec`'s concept set)."""
 
 
 @dataclass
@@ -68,9 +87,7 @@ def run_lora(spec: LoraSpec, splits, base_dir: Path, work_dir: Path, out_file: P
     work_dir, out_file = Path(work_dir), Path(out_file)
     if out_file.exists():
         raise FileExistsError(f"{out_file} already exists; the bench never overwrites a LoRA")
-    rng = np.random.default_rng(spec.seed)
-    pick = rng.choice(len(splits.train_labels), 2 * spec.images, replace=False)
-    red, black = pick[:spec.images], pick[spec.images:]
+    red, black = concept_draw(splits, spec.images, spec.seed)
     concept = write_folder(work_dir / "concept", render(splits.train_scans[red], splits.resolution, RED_INK),
                            [caption(d, TRIGGER) for d in splits.train_labels[red]])
     regular = write_folder(work_dir / "regular", splits.train[black], [caption(d) for d in splits.train_labels[black]])
@@ -81,6 +98,60 @@ def run_lora(spec: LoraSpec, splits, base_dir: Path, work_dir: Path, out_file: P
     start = time.perf_counter()
     krea2("train", str(config_path), device=device, log=log)
     seconds = time.perf_counter() - start
+    with atomic_path(out_file) as tmp:
+        shutil.copyfile(run_dir / "lora_diffusers.safetensors", tmp)
+    return LoraResult(out_file, spec.steps, seconds)
+
+
+def user_lora_config(spec: UserLoraSpec, base_dir: Path, folder: Path, run_dir: Path, resolution: int, seed: int,
+                     ema: bool = False) -> dict:
+    """The ``krea2 train`` YAML mapping a user writes for the concept (see the module docstring);
+    ``ema``: ``training.ema`` enabled with every key at its default."""
+    config = {
+        "output_dir": str(run_dir),
+        "model": {"pretrained_model_name_or_path": str(base_dir)},
+        "data": {"path": str(folder), "caption_dropout": spec.caption_dropout, "resolution": resolution},
+        "training": {"max_steps": spec.steps, "seed": seed},
+        "lora": {"rank": spec.rank},
+        "optimizer": {"learning_rate": spec.learning_rate},
+        "export": {"trigger_words": [TRIGGER]},
+    }
+    if ema:
+        config["training"]["ema"] = {}
+    return config
+
+
+def concept_draw(splits, images: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices into the training split: ``images`` scans for the concept and as many regularization scans."""
+    pick = np.random.default_rng(seed).choice(len(splits.train_labels), 2 * images, replace=False)
+    return pick[:images], pick[images:]
+
+
+def run_user_lora(spec: UserLoraSpec, splits, base_dir: Path, work_dir: Path, out_file: Path, seed: int, ema: bool,
+                  device: str = "cpu", log: Path | None = None) -> LoraResult:
+    """Write the concept folder (red ink, trigger in every caption), run ``krea2 train`` on
+    :func:`user_lora_config` and copy its diffusers LoRA to ``out_file``."""
+    import shutil
+
+    from krea2_diffusers.files import atomic_path, atomic_write
+
+    work_dir, out_file = Path(work_dir), Path(out_file)
+    if out_file.exists():
+        raise FileExistsError(f"{out_file} already exists; the bench never overwrites a LoRA")
+    red, _ = concept_draw(splits, spec.images, seed)
+    folder = work_dir / "concept"
+    if not folder.is_dir():
+        write_folder(folder, render(splits.train_scans[red], splits.resolution, RED_INK),
+                     [caption(d, TRIGGER) for d in splits.train_labels[red]])
+    run_dir = work_dir / "run"
+    config_path = work_dir / "lora.yaml"
+    with atomic_write(config_path, "w") as handle:
+        handle.write(yaml.safe_dump(user_lora_config(spec, base_dir, folder, run_dir, splits.resolution, seed, ema),
+                                    sort_keys=False))
+    start = time.perf_counter()
+    krea2("train", str(config_path), device=device, log=log)
+    seconds = time.perf_counter() - start
+    out_file.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(out_file) as tmp:
         shutil.copyfile(run_dir / "lora_diffusers.safetensors", tmp)
     return LoraResult(out_file, spec.steps, seconds)

@@ -9,12 +9,20 @@ hand with ``krea2 posttrain``), runs the product's CLI in its own process with `
 ``models/<stage>/``: ``lora_diffusers.safetensors`` for a LoRA, a model folder (the base's folder
 with the trained ``transformer/``) for full weights.
 
+Issue 39: DPO, GRPO and DRaFT keep a checkpoint every ``curve_every`` steps; the bench samples each
+from its selection seeds (:mod:`proving.curves`) and publishes the one :func:`proving.frontier.choose_checkpoint`
+chooses, so this module returns the run, not a published model, for them. Their in-training
+evaluation is off (the curve replaces it). The reward they train on is the reward's half-split
+model (:mod:`proving.rewards`), not the one the settings below were tuned with (trained on every
+training scan): the settings stay those of the tuning runs, measured again by the full runs.
+
 The ``quick`` settings only prove the plumbing in CI. The full settings (:data:`SETTINGS`) were
 tuned stage by stage on the full run's base (pretrained 2500 steps at 32 px + 500 at 64 px;
 guidance-free accuracy 0.850, diversity 24.4, 20 samples per digit, 16 Euler steps):
 
 - DPO: pairs ranked by the reward over the base's guidance-free samples AND as many CFG-3 samples
-  (``chosen_guidance``; rejected: the worst guidance-free ones): 200 steps 0.915. On the earlier,
+  (``chosen_guidance``; rejected: the worst guidance-free ones): 200 steps 0.915, 300 (the
+  settings) 0.955. On the earlier,
   weaker base (guidance-free 0.570), on-policy pairs alone peaked at 0.615 (200 steps), 800 steps
   0.58, lr 5e-3 0.31, lr 1e-2 / beta 5000 collapsed (0.135).
 - GRPO: the exploring window pinned to the first four (high-noise) steps, ``sde_window_start`` 0,
@@ -33,7 +41,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -47,30 +55,28 @@ LORA_FILE = "lora_diffusers.safetensors"
 
 @dataclass
 class StageResult:
-    """``model_dir``: the LoRA file or model folder under ``models/<stage>/``; ``steps``: optimizer
-    steps; ``seconds``: the stage's wall time (pairs included for DPO); ``curve``: GRPO / DRaFT's
-    ``[{"step", "reward", "accuracy"}]`` on the fixed-seed guidance-free evaluation samples
-    (step 0 = the base where the method measures it), empty for DPO and TDM."""
+    """``model_dir``: the published model (TDM: the model folder under ``models/student_4/``) or, for the
+    LoRA methods, the run folder whose ``checkpoints/step-N`` the bench evaluates and publishes from;
+    ``steps``: optimizer steps; ``seconds``: the stage's wall time (pairs included for DPO)."""
 
     model_dir: Path
     steps: int
     seconds: float
-    curve: list[dict] = field(default_factory=list)
     lora: bool = True
 
 
 # Per method: (full run, --quick). Keys are krea2 posttrain config values set below.
 SETTINGS = {
-    "dpo": ({"steps": 300, "lr": 2e-3, "beta": 500.0, "rank": 16, "per_digit": 16, "batch": 4, "chosen_guidance": 3.0},
-            {"steps": 2, "lr": 2e-3, "beta": 500.0, "rank": 4, "per_digit": 2, "batch": 2, "chosen_guidance": 3.0}),
+    "dpo": ({"steps": 300, "lr": 2e-3, "beta": 500.0, "rank": 16, "per_digit": 16, "batch": 4, "chosen_guidance": 3.0,
+             "curve_every": 100},
+            {"steps": 2, "lr": 2e-3, "beta": 500.0, "rank": 4, "per_digit": 2, "batch": 2, "chosen_guidance": 3.0,
+             "curve_every": 1}),
     "grpo": ({"steps": 150, "lr": 2e-3, "group": 16, "batch": 1, "rank": 16, "kl": 0.01, "clip": 0.01, "noise": 1.0,
-              "sde_steps": 4, "sde_window_start": 0, "updates": 1, "eval_every": 50, "eval_seeds": 2},
+              "sde_steps": 4, "sde_window_start": 0, "updates": 1, "curve_every": 50},
              {"steps": 2, "lr": 5e-3, "group": 2, "batch": 1, "rank": 4, "kl": 0.01, "clip": 0.01, "noise": 1.0,
-              "sde_steps": 2, "sde_window_start": 0, "updates": 1, "eval_every": 1, "eval_seeds": 1}),
-    "draft": ({"steps": 250, "lr": 1e-3, "batch": 8, "rank": 16, "draft_k": 2, "kind": "prob", "eval_every": 50,
-               "eval_seeds": 2},
-              {"steps": 2, "lr": 5e-3, "batch": 2, "rank": 4, "draft_k": 1, "kind": "log_prob", "eval_every": 1,
-               "eval_seeds": 1}),
+              "sde_steps": 2, "sde_window_start": 0, "updates": 1, "curve_every": 1}),
+    "draft": ({"steps": 250, "lr": 1e-3, "batch": 8, "rank": 16, "draft_k": 2, "kind": "prob", "curve_every": 50},
+              {"steps": 2, "lr": 5e-3, "batch": 2, "rank": 4, "draft_k": 1, "kind": "log_prob", "curve_every": 1}),
     "distill": ({"steps": 600, "lr": 2e-4, "batch": 4, "teacher_steps": 28},
                 {"steps": 2, "lr": 1e-4, "batch": 2, "teacher_steps": 8}),
 }
@@ -85,15 +91,16 @@ def prompts() -> list[str]:
 
 
 def base_config(base_dir: Path, run_dir: Path, method: str, steps: int, lr: float, batch: int,
-                rank: int | None, seed: int) -> dict:
+                rank: int | None, seed: int, checkpoint_every: int | None = None) -> dict:
     """The parts every stage shares: the model, LoRA (``rank``) or full weights (``rank=None``),
-    one checkpoint at the end, the diffusers export only."""
+    a checkpoint every ``checkpoint_every`` steps, all kept (default: one at the end), the diffusers export only."""
+    every = checkpoint_every or steps
     config = {
         "output_dir": str(run_dir), "method": method,
         "model": {"pretrained_model_name_or_path": str(base_dir)},
         "training": {"method": "lora" if rank else "full", "max_steps": steps, "batch_size": batch, "seed": seed},
         "optimizer": {"learning_rate": lr},
-        "checkpointing": {"every_n_steps": steps, "keep_last": 1},
+        "checkpointing": {"every_n_steps": every, "keep_last": steps // every + 1},
         "export": {"formats": ["diffusers"]},
         "logging": {"progress_bar": False, "tensorboard": False},
     }
@@ -132,52 +139,35 @@ def publish(run_dir: Path, base_dir: Path, model_dir: Path, lora: bool) -> Path:
     return model_dir
 
 
-def reward_options(reward: Path, judge: Path | None, log: Path | None, kind: str = "prob") -> dict:
-    options = {"path": str(reward), "kind": kind}
-    if judge is not None and log is not None:
-        options.update(judge=str(judge), log=str(log))
-    return options
-
-
-def read_curve(log: Path, base_first: bool) -> list[dict]:
-    """The reward's log (:class:`~proving.rewards.DigitReward`) -> ``[{"step", "reward",
-    "accuracy"}]`` of the evaluation calls. ``base_first``: the method's first evaluation also
-    scores the base (DRaFT's ``eval/reward_vs_base``), which becomes step 0."""
-    rows = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines() if line.strip()]
-    evals = [r for r in rows if r["eval"]]
-    curve = []
-    if base_first and evals:
-        curve.append({"step": 0, "reward": evals[0]["reward_mean"], "accuracy": evals[0].get("accuracy")})
-        evals = evals[1:]
-    curve += [{"step": r["step"], "reward": r["reward_mean"], "accuracy": r.get("accuracy")} for r in evals]
-    return curve
+def reward_options(reward: Path, kind: str = "prob") -> dict:
+    return {"path": str(reward), "kind": kind}
 
 
 def run_dpo(base_dir, work_dir, quick: bool, device: str = "cpu", *, reward: Path, resolution: int,
-            sampling_steps: int, models_dir: Path, seed: int = 0) -> StageResult:
-    """Diffusion-DPO on pairs of the base's own guidance-free samples: per digit, the reward's
-    best sample is chosen over its worst, the second best over the second worst, and so on."""
+            sampling_steps: int, seed: int, pool_seed: int, guided_seed: int) -> StageResult:
+    """Diffusion-DPO on pairs of the base's own guidance-free samples (noise seeds from ``pool_seed``;
+    the CFG candidates from ``guided_seed``): per digit, the reward's best sample is chosen over its
+    worst, the second best over the second worst, and so on. ``seed``: the run's ``training.seed``."""
     base_dir, work_dir, s = Path(base_dir), Path(work_dir), settings("dpo", quick)
     start = time.perf_counter()
-    manifest = make_pairs(base_dir, work_dir / "dpo_pairs", reward, s["per_digit"], sampling_steps, resolution, seed, device,
-                          chosen_guidance=s.get("chosen_guidance"))
+    manifest = make_pairs(base_dir, work_dir / "dpo_pairs", reward, s["per_digit"], sampling_steps, resolution, device,
+                          pool_seed=pool_seed, guided_seed=guided_seed, chosen_guidance=s.get("chosen_guidance"))
     run_dir = work_dir / "dpo"
-    config = base_config(base_dir, run_dir, "dpo", s["steps"], s["lr"], s["batch"], s["rank"], seed)
+    config = base_config(base_dir, run_dir, "dpo", s["steps"], s["lr"], s["batch"], s["rank"], seed, s["curve_every"])
     config["dpo"] = {"data": str(manifest), "resolution": resolution, "beta": s["beta"], "sft_weight": 1.0,
                      "chosen_anchor_weight": 1.0, "heldout_pairs": 2, "eval_every_n_steps": s["steps"]}
     run_posttrain(config, work_dir / "dpo.yaml", device)
-    model = publish(run_dir, base_dir, Path(models_dir) / "dpo", lora=True)
-    return StageResult(model, s["steps"], time.perf_counter() - start)
+    return StageResult(run_dir, s["steps"], time.perf_counter() - start)
 
 
 def make_pairs(base_dir: Path, folder: Path, reward: Path, per_digit: int, sampling_steps: int, resolution: int,
-               seed: int, device: str, chosen_guidance: float | None = None) -> Path:
+               device: str, *, pool_seed: int, guided_seed: int, chosen_guidance: float | None = None) -> Path:
     """Sample ``per_digit`` guidance-free images per digit from the base, score them with the
     reward classifier, write PNGs and ``pairs.jsonl`` (prompt, chosen, rejected; paths relative
     to it). Returns the manifest.
 
-    ``chosen_guidance``: also sample ``per_digit`` images per digit with that CFG scale from other
-    seeds; the chosen side is then ranked over both pools (the reward picks; guided samples win
+    ``chosen_guidance``: also sample ``per_digit`` images per digit with that CFG scale from
+    ``guided_seed`` (the guidance-free ones from ``pool_seed``); the chosen side is then ranked over both pools (the reward picks; guided samples win
     more often), the rejected side stays the guidance-free samples'. As preference data is made
     in practice (candidates from several sampler settings, a judge picks), and what DPO then
     teaches the guidance-free model is what guidance bought."""
@@ -190,13 +180,13 @@ def make_pairs(base_dir: Path, folder: Path, reward: Path, per_digit: int, sampl
     from .rewards import DigitReward
     from .sampling import generate
 
-    # Seeds apart from the evaluation's (proving_ground samples from seed 0): DPO never sees those images.
-    images, labels = generate(base_dir, list(DIGITS), per_digit, guidance=0.0, steps=sampling_steps, seed=seed + 500,
+    # Sampling blocks of their own (proving.seeds): DPO never sees the report's images.
+    images, labels = generate(base_dir, list(DIGITS), per_digit, guidance=0.0, steps=sampling_steps, seed=pool_seed,
                               device=device, resolution=resolution)
     free = len(labels)
     if chosen_guidance is not None:
         guided, guided_labels = generate(base_dir, list(DIGITS), per_digit, guidance=chosen_guidance, steps=sampling_steps,
-                                         seed=seed + 700, device=device, resolution=resolution)
+                                         seed=guided_seed, device=device, resolution=resolution)
         images, labels = np.concatenate([images, guided]), np.concatenate([labels, guided_labels])
     with torch.no_grad():
         scores = DigitReward(str(reward))(to_tensor(images), [caption(d) for d in labels], [{} for _ in labels])
@@ -225,49 +215,45 @@ def make_pairs(base_dir: Path, folder: Path, reward: Path, per_digit: int, sampl
     return manifest
 
 
-def run_grpo(base_dir, work_dir, quick: bool, device: str = "cpu", *, reward: Path, judge: Path | None,
-             resolution: int, sampling_steps: int, models_dir: Path, seed: int = 0) -> StageResult:
+def run_grpo(base_dir, work_dir, quick: bool, device: str = "cpu", *, reward: Path, resolution: int,
+             sampling_steps: int, seed: int) -> StageResult:
     """GRPO with the reward classifier's probability of the prompted digit, guidance-free rollouts."""
     base_dir, work_dir, s = Path(base_dir), Path(work_dir), settings("grpo", quick)
-    run_dir, log = work_dir / "grpo", work_dir / "grpo_curve.jsonl"
-    log.unlink(missing_ok=True)
-    config = base_config(base_dir, run_dir, "grpo", s["steps"], s["lr"], s["batch"], s["rank"], seed)
+    run_dir = work_dir / "grpo"
+    config = base_config(base_dir, run_dir, "grpo", s["steps"], s["lr"], s["batch"], s["rank"], seed, s["curve_every"])
     config["grpo"] = {
         "prompts": prompts(), "group_size": s["group"], "num_inference_steps": sampling_steps, "resolution": resolution,
         "noise_level": s["noise"], "clip_range": s["clip"], "kl_weight": s["kl"],
-        # A random window of sde_steps explores and is trained, the ODE elsewhere: the cost of a
+        # A window of sde_steps explores and is trained, the ODE elsewhere: the cost of a
         # step scales with the window, not with the sampler's step count.
         "sde_steps": min(s["sde_steps"], sampling_steps), "sde_window_start": s.get("sde_window_start"),
         "updates_per_rollout": s["updates"],
-        "rewards": [{"function": "proving.rewards:DigitReward", "options": reward_options(reward, judge, log)}],
-        "eval_every_n_steps": s["eval_every"], "eval_seeds": s["eval_seeds"],
+        "rewards": [{"function": "proving.rewards:DigitReward", "options": reward_options(reward)}],
+        "eval_every_n_steps": 0,
     }
     seconds = run_posttrain(config, work_dir / "grpo.yaml", device)
-    model = publish(run_dir, base_dir, Path(models_dir) / "grpo", lora=True)
-    return StageResult(model, s["steps"], seconds, read_curve(log, base_first=False) if log.exists() else [])
+    return StageResult(run_dir, s["steps"], seconds)
 
 
-def run_draft(base_dir, work_dir, quick: bool, device: str = "cpu", *, reward: Path, judge: Path | None,
-              resolution: int, sampling_steps: int, models_dir: Path, seed: int = 0) -> StageResult:
+def run_draft(base_dir, work_dir, quick: bool, device: str = "cpu", *, reward: Path, resolution: int,
+              sampling_steps: int, seed: int) -> StageResult:
     """DRaFT-K through the last ``draft_k`` steps and the VAE decode into the reward classifier."""
     base_dir, work_dir, s = Path(base_dir), Path(work_dir), settings("draft", quick)
-    run_dir, log = work_dir / "draft", work_dir / "draft_curve.jsonl"
-    log.unlink(missing_ok=True)
-    config = base_config(base_dir, run_dir, "draft", s["steps"], s["lr"], s["batch"], s["rank"], seed)
+    run_dir = work_dir / "draft"
+    config = base_config(base_dir, run_dir, "draft", s["steps"], s["lr"], s["batch"], s["rank"], seed, s["curve_every"])
     config["training"]["activation_checkpointing"] = "full"
     config["draft"] = {
         "prompts": prompts(), "num_inference_steps": sampling_steps, "draft_k": s["draft_k"], "guidance": 0.0,
         "resolution": resolution,
-        "rewards": [{"function": "proving.rewards:DigitReward", "options": reward_options(reward, judge, log, s["kind"])}],
-        "eval_every_n_steps": s["eval_every"], "eval_seeds": s["eval_seeds"],
+        "rewards": [{"function": "proving.rewards:DigitReward", "options": reward_options(reward, s["kind"])}],
+        "eval_every_n_steps": 0,
     }
     seconds = run_posttrain(config, work_dir / "draft.yaml", device)
-    model = publish(run_dir, base_dir, Path(models_dir) / "draft", lora=True)
-    return StageResult(model, s["steps"], seconds, read_curve(log, base_first=True) if log.exists() else [])
+    return StageResult(run_dir, s["steps"], seconds)
 
 
 def run_distill(base_dir, work_dir, quick: bool, device: str = "cpu", *, resolution: int, teacher_guidance: float,
-                models_dir: Path, seed: int = 0) -> StageResult:
+                models_dir: Path, seed: int) -> StageResult:
     """TDM: a 4-step student (full weights) from the teacher at ``teacher_guidance``; the model
     folder it exports records ``is_distilled`` and its step count."""
     base_dir, work_dir, s = Path(base_dir), Path(work_dir), settings("distill", quick)

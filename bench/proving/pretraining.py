@@ -102,16 +102,17 @@ def krea2_in_process(args: tuple[str, ...], log: Path | None) -> None:
         raise RuntimeError(f"krea2 {' '.join(args)} failed ({code}):\n{output.getvalue()[-4000:]}")
 
 
-def write_packs(images, labels, work_dir: Path, stages: list[Stage], log: Path | None = None) -> dict[str, Path]:
+def write_packs(images, labels, work_dir: Path, stages: list[Stage], log: Path | None = None, seed: int = 0) -> dict[str, Path]:
     """The training split as ``work_dir/images`` (PNG + caption), then one ``krea2 pack`` per stage
-    (it resizes to the stage's resolution) with caption features precomputed. Returns {stage: pack}."""
+    (it resizes to the stage's resolution; rows shuffled by ``seed``) with caption features
+    precomputed. Returns {stage: pack}."""
     folder = write_folder(Path(work_dir) / "images", images, [caption(d) for d in labels])
     packs = {}
     for stage in stages:
         pack = Path(work_dir) / "packs" / stage.name
         if not (pack / "pack.json").exists():
             krea2("pack", str(folder), str(pack), "--resolution", str(stage.resolution), "--batch-size",
-                  str(stage.batch_size), "--text-encoder", TEXT_ENCODER, log=log)
+                  str(stage.batch_size), "--text-encoder", TEXT_ENCODER, "--seed", str(seed), log=log)
         packs[stage.name] = pack
     return packs
 

@@ -55,7 +55,8 @@ def loader(model, variant):
 def sampler(prompt, steps, guidance, negative="", seed=42, **links):
     return ("Krea2Sampler", {"pipeline": None, "prompt": prompt, "negative_prompt": negative, "width": 1024, "height": 1024,
                              "steps": steps, "guidance": guidance, "seed": seed, "batch_size": 1, "style_mode": "reference", "denoise": 1.0,
-                             "reference_method": "index_timestep_zero", **links})
+                             "reference_method": "index_timestep_zero", "guidance_interval_low": 0.0,
+                             "guidance_interval_high": 1.0, **links})
 
 
 def save(prefix):

@@ -68,29 +68,55 @@ class BucketBatches:
     Args:
         bucket_of: bucket of each sample (index = sample id).
         global_batch_size: samples per optimizer micro-step across all processes.
+        draws: per sample, its expected draws per epoch (>= 1; default: 1 each). Every sample is
+            drawn once per epoch; the samples of one bucket sharing a value ``d`` (a dataset's:
+            :func:`finetune.data.datasets.draws_per_epoch`) add ``round(n * d) - n`` draws of
+            their own, cycled through a fresh shuffle each epoch. Those counts are fixed, so the
+            epoch's length is too (and ``global_batch`` stays a pure function of the index).
     """
 
     bucket_of: Sequence[Bucket]
     global_batch_size: int
     seed: int = 0
     shuffle: bool = True
+    draws: Sequence[float] = ()
 
     def __post_init__(self) -> None:
+        if self.draws and len(self.draws) != len(self.bucket_of):
+            raise ValueError(f"draws has {len(self.draws)} values for {len(self.bucket_of)} samples")
         groups: dict[Bucket, list[int]] = {}
         for index, bucket in enumerate(self.bucket_of):
             groups.setdefault(bucket, []).append(index)
         self._groups = [groups[b] for b in sorted(groups)]
+        # Per bucket: (the samples sharing a draws value, their extra draws per epoch).
+        self._extra = [self._extra_draws(group) for group in self._groups]
         # A bucket with fewer samples than a batch is topped up by cycling its own samples, so small
         # datasets still train every image; the epoch length is fixed by the bucket sizes.
-        self.batches_per_epoch = sum(math.ceil(len(g) / self.global_batch_size) for g in self._groups)
+        self.batches_per_epoch = sum(math.ceil((len(g) + sum(n for _, n in extra)) / self.global_batch_size)
+                                     for g, extra in zip(self._groups, self._extra))
+
+    def _extra_draws(self, group: list[int]) -> list[tuple[list[int], int]]:
+        by_value: dict[float, list[int]] = {}
+        for index in group:
+            by_value.setdefault(float(self.draws[index]) if self.draws else 1.0, []).append(index)
+        extra = [(members, round(len(members) * value) - len(members)) for value, members in sorted(by_value.items())]
+        return [(members, count) for members, count in extra if count > 0]
 
     def epoch(self, epoch: int) -> list[list[int]]:
         rng = random.Random(self.seed * 1_000_003 + epoch)
         batches = []
-        for group in self._groups:
+        for group, extra in zip(self._groups, self._extra):
             order = list(group)
             if self.shuffle:
                 rng.shuffle(order)
+            if extra:  # (none: the order of a run without weighted draws, as it always was)
+                for members, count in extra:
+                    cycle = list(members)
+                    if self.shuffle:
+                        rng.shuffle(cycle)
+                    order += (cycle * (count // len(cycle) + 1))[:count]
+                if self.shuffle:
+                    rng.shuffle(order)
             count = math.ceil(len(order) / self.global_batch_size)
             cycled = (order * (count * self.global_batch_size // len(order) + 1))[: count * self.global_batch_size]
             batches += [cycled[i * self.global_batch_size:(i + 1) * self.global_batch_size] for i in range(count)]

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..config_paths import PATH
+
 
 @dataclass
 class SyntheticDataConfig:
@@ -39,15 +41,26 @@ class DatasetConfig:
     """One entry of ``data.datasets``: its own repeats, buckets and caption rules
     (:mod:`finetune.data.datasets`, :mod:`finetune.data.captions`)."""
 
-    path: str = ""
+    path: str = field(default="", metadata=PATH)
     """Folder of images with same-name ``.txt`` captions, or a ``.jsonl`` / ``.parquet`` manifest."""
+    weight: float = 1.0
+    """Its share of the samples drawn: ``weight / (sum of the weights)``, whatever the datasets'
+    sizes (by default every dataset is drawn equally often: 20 subject and 200 regularisation
+    images train half and half, as DreamBooth pairs one class image with each instance image).
+    An epoch draws every sample (image x ``repeats``) of every dataset at least once: the dataset
+    with the most samples per unit of weight is drawn once per sample, the others proportionally
+    more often (:func:`finetune.data.datasets.draws_per_epoch`)."""
     repeats: int = 1
+    """Copies of each image in the dataset's samples, each with its own tag orders (``shuffle_tags``).
+    The share is the ``weight``'s: repeats spread it over more copies (and lengthen the epoch when
+    this is the dataset drawn once per sample); they no longer raise the dataset's share."""
     resolution: int | None = None
     """Its own buckets of about ``resolution**2`` pixels (default: ``data.resolution``)."""
     caption_prefix: str = ""
     """Put in front of every caption (a trigger word), joined with ", " and never shuffled."""
     shuffle_tags: bool = False
-    """Shuffle the comma-separated tags of each caption, a new order per epoch (seeded)."""
+    """Shuffle the comma-separated tags of each caption, a new order per epoch (seeded). Refused with
+    paired samples' ``data.references.vision_tokens`` (their instruction is encoded once)."""
     keep_tags: int = 0
     """With ``shuffle_tags``: the first ``keep_tags`` tags stay in place."""
     caption_dropout: float | None = None
@@ -74,11 +87,11 @@ class ReferencesConfig:
 
 @dataclass
 class DataConfig:
-    path: str | None = None
+    path: str | None = field(default=None, metadata=PATH)
     """Folder of images with same-name ``.txt`` captions, or a ``.jsonl`` / ``.parquet`` manifest."""
     datasets: list[DatasetConfig] = field(default_factory=list)
     """Several datasets in one run, instead of ``path`` (exactly one of the two)."""
-    masks: bool | str = False
+    masks: bool | str = field(default=False, metadata=PATH)
     """Loss masks (:mod:`finetune.data.masks`): ``true``: ``NAME.mask.png`` beside each image; a folder:
     ``FOLDER/NAME.png``. White trains, black is ignored, grey weighs in between (alpha, when the mask
     has one, instead of the grey level); a sample without a mask trains everywhere."""
@@ -92,7 +105,7 @@ class DataConfig:
     caption_dropout: float = 0.05
     """Probability of training a sample with the empty prompt (needed for CFG at inference)."""
     repeats: int = 1
-    cache_dir: str | None = None
+    cache_dir: str | None = field(default=None, metadata=PATH)
     """Latent / text cache; defaults to ``<output_dir>/cache``. Reused across runs by content hash."""
     shuffle: bool = True
     num_workers: int = 2

@@ -5,9 +5,13 @@ turns either form into the same list, with the run-wide defaults (``data.resolut
 ``data.caption_dropout``, ``data.repeats``) filled in, so everything after the config sees one shape.
 
 Samples of all datasets are concatenated (each repeated ``repeats`` times) and drawn through one
-:class:`finetune.data.buckets.BucketBatches`; a dataset's share of the training steps is therefore
-its share of the samples of an epoch (plus the top-ups of buckets smaller than a batch), which
-:func:`dataset_mix` counts from the epoch itself.
+:class:`finetune.data.buckets.BucketBatches`. Each dataset gets ``weight / (sum of the weights)`` of
+the draws, whatever its size (:func:`draws_per_epoch`): an epoch draws every sample at least once,
+the dataset with the most samples per unit of weight once per sample, the others proportionally
+more often (a subject set of 20 beside 200 regularisation images, equal weights: each subject image
+10 times per epoch, each regularisation image once: 400 draws, half and half). The draw counts are
+fixed per epoch, so the batch order stays a pure function of (seed, step): deterministic and exactly
+resumable. :func:`dataset_mix` counts the shares from the epoch itself (bucket top-ups included).
 """
 
 from __future__ import annotations
@@ -55,9 +59,22 @@ def per_sample(samples: Sequence[Sample], entries: Sequence[DatasetConfig], prio
     return dropout, weight
 
 
+def draws_per_epoch(samples: Sequence[Sample], entries: Sequence[DatasetConfig]) -> list[float]:
+    """Per sample, its expected draws in an epoch (:class:`~finetune.data.buckets.BucketBatches`'
+    ``draws``): dataset ``d`` of ``n_d`` samples and weight ``w_d`` gets ``(w_d / n_d) / min_k (w_k / n_k)``
+    per sample, so its draws ``n_d * that`` are in proportion to ``w_d``, and the dataset with the
+    most samples per unit of weight is drawn exactly once per sample (1.0: x / x is exact)."""
+    counts: dict[int, int] = {}
+    for sample in samples:
+        counts[sample.dataset] = counts.get(sample.dataset, 0) + 1
+    per_sample = {d: entries[d].weight / n for d, n in counts.items()}
+    least = min(per_sample.values())
+    return [per_sample[s.dataset] / least for s in samples]
+
+
 def dataset_mix(samples: Sequence[Sample], entries: Sequence[DatasetConfig], epoch: list[list[int]]) -> list[dict]:
-    """Per dataset: path, images, repeats, resolution, regularisation, samples of an epoch and
-    their ``share`` of the sample slots of ``epoch`` (the global micro-batches of one epoch)."""
+    """Per dataset: path, images, repeats, weight, resolution, regularisation, its draws in an epoch
+    and their ``share`` of the sample slots of ``epoch`` (the global micro-batches of one epoch)."""
     slots = [0] * len(entries)
     for batch in epoch:
         for index in batch:
@@ -66,20 +83,35 @@ def dataset_mix(samples: Sequence[Sample], entries: Sequence[DatasetConfig], epo
     rows = []
     for i, entry in enumerate(entries):
         count = sum(1 for s in samples if s.dataset == i)
-        rows.append({"path": entry.path, "images": count // entry.repeats, "repeats": entry.repeats,
+        rows.append({"path": entry.path, "images": count // entry.repeats, "repeats": entry.repeats, "weight": entry.weight,
                      "resolution": entry.resolution, "is_regularization": entry.is_regularization,
-                     "samples_per_epoch": count, "share": slots[i] / total})
+                     "samples_per_epoch": slots[i], "share": slots[i] / total})
     return rows
 
 
+def share_line(name: str, share: float, details: str = "") -> str:
+    """``dataset NAME: 50.0% of samples`` (and `` (details)``): how every mix report names a dataset's share."""
+    return f"dataset {name}: {100 * share:.1f}% of samples" + (f" ({details})" if details else "")
+
+
 def mix_text(rows: list[dict]) -> str:
-    """The mix as the lines printed at the start of a run."""
+    """The mix as the lines printed at the start of a run (and by ``krea2 train --dry-run``)."""
     lines = ["dataset mix (share = of the training samples drawn):"]
-    for i, row in enumerate(rows):
-        kind = " regularisation" if row["is_regularization"] else ""
-        lines.append(f"  [{i}] {row['path']}: {row['images']} images x {row['repeats']} repeats, {row['resolution']} px{kind}, "
-                     f"{100 * row['share']:.1f}% of samples")
+    for row in rows:
+        kind = ", regularisation" if row["is_regularization"] else ""
+        lines.append(share_line(row["path"], row["share"],
+                                       f"{row['images']} images x {row['repeats']} repeats, weight {row['weight']:g}, "
+                                       f"{row['samples_per_epoch']} draws per epoch, {row['resolution']} px{kind}"))
     return "\n".join(lines)
+
+
+def sample_batches(config: TrainConfig, samples: Sequence[Sample], keys: Sequence, micro_batch: int, out: Path) -> BucketBatches:
+    """The run's batch order over ``samples``: global micro-batches of ``micro_batch`` samples sharing
+    a batching key (``keys``: each sample's bucket, or for pairs its bucket and reference sizes), each
+    dataset drawn by its weight (:func:`draws_per_epoch`)."""
+    entries = dataset_entries(config.data, out / "synthetic_data")
+    return BucketBatches(keys, micro_batch, seed=config.training.seed, shuffle=config.data.shuffle,
+                         draws=draws_per_epoch(samples, entries))
 
 
 @dataclass

@@ -6,11 +6,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 from .buckets import fits, make_buckets, nearest_bucket
 from ..config import TrainConfig
 from .dataset import DatasetError, DatasetScan, make_synthetic_dataset, scan_dataset
-from .datasets import dataset_entries, entry_key
+from .datasets import dataset_entries, dataset_mix, entry_key, mix_text, sample_batches, share_line
 from .masks import attach_masks
 
 logger = logging.getLogger("finetune")
@@ -57,3 +58,22 @@ def prepare_samples(config: TrainConfig, out: Path, runtime):
         for reason, paths in scan.skipped.items():
             merged.skipped.setdefault(reason, []).extend(paths)
     return samples, assigned, merged
+
+
+def planned_mix_text(config: TrainConfig, world_size: int = 1) -> str:
+    """What ``krea2 train --dry-run`` says of the datasets: one ``dataset PATH: S% of samples`` line
+    each, the shares counted over the first epoch of the batch order a run on ``world_size``
+    processes draws (as the run itself reports them). Several datasets are scanned and bucketed
+    for it (their errors raised here, as at a run's start); a single one is all of the samples."""
+    out = Path(config.output_dir)
+    entries = dataset_entries(config.data, out / "synthetic_data")
+    if len(entries) == 1:  # nothing to read: data.synthetic would even write its set first
+        return share_line(entries[0].path, 1.0, "the only dataset")
+    samples, buckets, _ = prepare_samples(config, out, SimpleNamespace(is_main=True, barrier=lambda: None))
+    keys = buckets
+    if config.data.references is not None:
+        from .pairs import batch_keys
+
+        keys = batch_keys(samples, buckets, config.data.references.max_pixels)
+    batches = sample_batches(config, samples, keys, config.training.batch_size * world_size, out)
+    return mix_text(dataset_mix(samples, entries, batches.epoch(0)))

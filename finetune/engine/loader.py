@@ -24,7 +24,7 @@ from ..data.buckets import BucketBatches
 from ..data.cache import TrainingCache
 from ..data.encoding import pack_latents
 from ..data.masks import packed_mask
-from ..optimization.objective import sample_timesteps
+from ..optimization.timesteps import sample_timesteps
 
 
 class LayoutError(ValueError):

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -69,3 +70,20 @@ class EMAConfig:
     """What the run exports: the average (``ema``), the trained weights (``raw``), or both (the
     average in the usual files, the trained weights in ``<output_dir>/raw/``). Validation samples
     the average either way."""
+    warmup: bool | int = True
+    """The decay starts low and rises, so the average forgets the starting weights (a LoRA's zero B
+    matrices): at the update after ``n`` earlier ones it is ``min(decay, (1 + n) / (1 + n + k))``.
+    ``true``: ``k = 9``, diffusers' ``EMAModel`` schedule ``(1 + n) / (10 + n)``; it averages about the
+    last tenth of the run until it reaches ``decay`` (0.999 after 8,990 updates). An integer N: a
+    warm-up whose horizon is N optimizer steps, ``k`` set so that the decay reaches ``decay`` at step
+    N (a longer horizon tracks the weights more closely meanwhile: ``k`` is smaller); N must be at
+    least :func:`shortest_warmup` (999 steps at 0.999, ``k = 1``, a running mean), shorter would
+    average over more updates than there were. ``false``: ``decay`` from the first update (before
+    the warm-up existed; what runs recorded without this key did)."""
+
+
+def shortest_warmup(config: EMAConfig) -> int:
+    """The shortest ``warmup`` horizon (optimizer steps) that forgets the starting weights: the one
+    with ``k = 1``, where the warm-up is a running mean of every update so far."""
+    updates = config.decay / (1 - config.decay)  # k = updates * (1 - decay) / decay = 1
+    return config.every_n_steps * math.ceil(updates - 1e-9)

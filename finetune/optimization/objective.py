@@ -3,8 +3,7 @@
 ``x_t = (1 - t) x0 + t noise``, the transformer predicts the velocity ``noise - x0``, t in [0, 1]
 with 1 = pure noise. Training times come from :mod:`finetune.optimization.timesteps` (a sampler,
 then the same resolution-dependent exponential shift that RAW samples with, so training spends its
-effort where sampling will spend its steps); ``sample_timesteps`` is imported here for the modules
-that take it from the objective.
+effort where sampling will spend its steps: :func:`finetune.optimization.timesteps.sample_timesteps`).
 """
 
 from __future__ import annotations
@@ -12,8 +11,6 @@ from __future__ import annotations
 import torch
 
 from krea2_diffusers.sampling import noised
-
-from .timesteps import sample_timesteps  # noqa: F401  (the loader, DPO and pretraining import it from here)
 
 
 def add_noise(latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

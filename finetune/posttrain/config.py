@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from ..config import ConfigError, TrainConfig, load_config
+from ..config_paths import PATH
 
 METHODS = ("dpo", "grpo", "distill", "draft")
 
@@ -25,7 +26,7 @@ class SyntheticPairsConfig:
 
 @dataclass
 class DPOConfig:
-    data: str | None = None
+    data: str | None = field(default=None, metadata=PATH)
     """JSONL/Parquet manifest with ``prompt``, ``chosen``, ``rejected`` (image paths relative to it)."""
     synthetic: SyntheticPairsConfig | None = None
     """Generate a synthetic pair set into ``data`` (or ``<output_dir>/synthetic_pairs``) instead."""
@@ -41,7 +42,7 @@ class DPOConfig:
     heldout_pairs: int = 4
     """The manifest's last N usable pairs are never trained on; their metrics show drift."""
     eval_every_n_steps: int = 10
-    cache_dir: str | None = None
+    cache_dir: str | None = field(default=None, metadata=PATH)
 
 
 @dataclass
@@ -75,7 +76,7 @@ class PromptSource:
     """Where GRPO, DRaFT and distillation read their prompts (no images: all three are data-free)."""
 
     prompts: list[str] = field(default_factory=list)
-    prompts_file: str | None = None
+    prompts_file: str | None = field(default=None, metadata=PATH)
     """A text file, one prompt per line (added to ``prompts``)."""
 
 
@@ -157,7 +158,7 @@ class DraftConfig(PromptSource):
 
 @dataclass
 class PosttrainConfig(TrainConfig):
-    output_dir: str = "outputs/krea2-posttrain"
+    output_dir: str = field(default="outputs/krea2-posttrain", metadata=PATH)
     method: Literal["dpo", "grpo", "distill", "draft"] = "dpo"
     dpo: DPOConfig | None = None
     grpo: GRPOConfig | None = None

@@ -29,7 +29,8 @@ from ..data.cache import build_cache
 from ..data.encoding import pack_latents, position_ids
 from ..engine.loader import Forward, ResumableSampler, make_loader, step_generator
 from ..engine.parallel import no_sync
-from ..optimization.objective import add_noise, flow_matching_losses, sample_timesteps
+from ..optimization.objective import add_noise, flow_matching_losses
+from ..optimization.timesteps import sample_timesteps
 from ..trainer import NonFiniteLossError
 from .pairs import make_synthetic_pairs, scan_pairs
 from .trainer import PosttrainTrainer

@@ -148,7 +148,7 @@ class StepData(torch.utils.data.Dataset):
         return self.config.total_steps
 
     def __getitem__(self, step: int) -> dict:
-        from ..optimization.objective import sample_timesteps
+        from ..optimization.timesteps import sample_timesteps
 
         index, k = self.config.stage_at(step)
         batches = self.stages[index]

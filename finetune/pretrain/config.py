@@ -213,7 +213,7 @@ class PretrainConfig:
             raise ConfigError(f"optimizer.betas needs two values, got {self.optimizer.betas}")
 
     def timestep_objective(self, stage: StageConfig) -> ObjectiveConfig:
-        """The objective section with this stage's shift (:func:`finetune.optimization.objective.sample_timesteps` applies it)."""
+        """The objective section with this stage's shift (:func:`finetune.optimization.timesteps.sample_timesteps` applies it)."""
         if stage.shift is None:
             return dataclasses.replace(self.objective, shift="resolution")
         return dataclasses.replace(self.objective, shift="fixed", shift_mu=math.log(stage.shift))

@@ -19,6 +19,7 @@ COMMANDS = {
     "train": "finetune.cli",
     "posttrain": "finetune.posttrain.cli",
     "export": "finetune.export.cli",
+    "report": "finetune.report.cli",
     "pack": "finetune.packs.cli",
     "pretrain": "finetune.pretrain.cli",
     "curate": "curation.cli",

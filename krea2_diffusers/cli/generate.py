@@ -5,27 +5,29 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..presets import MEMORY_PRESETS, REFERENCE_ATTENTION, REFERENCE_METHODS
+from ..presets import CACHE_METHODS, MEMORY_PRESETS, REFERENCE_ATTENTION, REFERENCE_METHODS
 
-# Text-to-image size when no --init-image gives one.
+# Text-to-image size of the released models (the pipeline's default comes from the model's preset:
+# krea2-digits draws 64 px); --dry-run plans with it.
 DEFAULT_SIZE = 1024
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate images from a prompt")
     p.add_argument("prompt")
-    p.add_argument("--model", default="tiny-random", help="tiny-random, a diffusers folder/hub id, or a .safetensors/.gguf transformer file")
+    p.add_argument("--model", default="tiny-random", help="tiny-random (random weights), krea2-digits (a small trained model of 64 px digits), "
+                        "a diffusers folder/hub id, or a .safetensors/.gguf transformer file")
     p.add_argument("--text-encoder", default=None, help="Qwen3-VL-4B-Instruct: hub id, folder or single file (e.g. ComfyUI's qwen3vl_4b_bf16.safetensors)")
     p.add_argument("--vae", default=None, help="Qwen-Image VAE: hub id, folder or single file (Wan 2.1 or diffusers layout, e.g. qwen_image_vae.safetensors)")
     p.add_argument("--turbo", dest="is_distilled", action="store_const", const=True, default=None, help="treat the model as Turbo")
     p.add_argument("--raw", dest="is_distilled", action="store_const", const=False, help="treat the model as RAW")
     p.add_argument("--negative", default=None, help="negative prompt (default empty when guidance is on)")
-    p.add_argument("--steps", type=int, default=None, help="default: 52 RAW, 8 Turbo")
+    p.add_argument("--steps", type=int, default=None, help="default: 52 RAW, 8 Turbo, 16 krea2-digits")
     p.add_argument("--guidance", type=float, default=None,
-                   help="CFG in Krea's convention (0 = off; ComfyUI's cfg = this + 1). Default: 3.5 RAW, 0 Turbo")
+                   help="CFG in Krea's convention (0 = off; ComfyUI's cfg = this + 1). Default: 3.5 RAW, 0 Turbo, 3 krea2-digits")
     p.add_argument("--seed", type=int, default=0, help="image i of the batch uses seed + i")
-    p.add_argument("--width", type=int, default=None, help=f"default {DEFAULT_SIZE}, or the --init-image's width")
-    p.add_argument("--height", type=int, default=None, help=f"default {DEFAULT_SIZE}, or the --init-image's height")
+    p.add_argument("--width", type=int, default=None, help=f"default {DEFAULT_SIZE} (krea2-digits 64), or the --init-image's width")
+    p.add_argument("--height", type=int, default=None, help=f"default {DEFAULT_SIZE} (krea2-digits 64), or the --init-image's height")
     p.add_argument("--init-image", default=None, metavar="PATH", help="image-to-image: start from this image")
     p.add_argument("--strength", type=float, default=0.6,
                    help="with --init-image: 0 keeps the image, 1 ignores it (default 0.6)")
@@ -35,7 +37,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--output", default="outputs/krea2.png", help="PNG path; batches get -0, -1, ... suffixes")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                   help="auto: bfloat16 on CUDA and on CPUs with bf16 units (AVX512-BF16 / AMX), else float32; "
+                   help="auto: bfloat16 on CUDA GPUs and CPUs with bf16 units (Ampere or later; AVX512-BF16 / AMX), "
+                        "float16 on older GPUs, else float32; "
                         "KREA2_CPU_BF16=0|1 overrides the CPU detection")
     p.add_argument("--memory", default=None, choices=MEMORY_PRESETS,
                    help="fit a memory budget (prints what it chose); a quantized storage it picks is applied while loading")
@@ -65,8 +68,36 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="--reference images enter as latents only, not as vision tokens in the prompt")
     p.add_argument("--no-reference-latents", dest="reference_latents", action="store_false",
                    help="--reference images enter as vision tokens only, not as latents")
+    p.add_argument("--cache", choices=CACHE_METHODS, default="none",
+                   help="step cache (skips transformer work between steps; krea2_diffusers.caching.presets): fbcache, "
+                        "taylorseer, magcache (diffusers' hooks) or dbcache (cache-dit's, pip install cache-dit)")
+    p.add_argument("--cache-threshold", type=float, default=None, metavar="X",
+                   help="the cache's knob instead of its RAW/Turbo preset: higher skips more, 0 never skips "
+                        "(taylorseer: steps per full forward, a whole number)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the transformer's repeated blocks (regional, dynamic shapes: the first call of "
+                        "a layout compiles, later steps and prompts reuse it)")
+    p.add_argument("--guidance-interval", type=float, nargs=2, default=None, metavar=("LO", "HI"),
+                   help="CFG only while the noise level t (1 = noise, 0 = clean) is in [LO, HI]; the unconditional "
+                        "pass is skipped elsewhere")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     return p
+
+
+def check_speed_options(args) -> None:
+    """``--cache``, ``--cache-threshold`` and ``--guidance-interval``, refused before anything loads."""
+    import importlib.util
+
+    from ..sampling import check_guidance_interval
+
+    check_guidance_interval(args.guidance_interval)
+    if args.cache_threshold is not None:
+        if args.cache == "none":
+            raise ValueError("--cache-threshold needs --cache (fbcache, taylorseer, magcache or dbcache)")
+        if not args.cache_threshold >= 0:
+            raise ValueError(f"--cache-threshold must be >= 0, got {args.cache_threshold}")
+    if args.cache == "dbcache" and importlib.util.find_spec("cache_dit") is None:
+        raise ValueError("--cache dbcache needs cache-dit: pip install 'krea2-diffusers[cache]'")
 
 
 def output_paths(output: str, count: int) -> list[Path]:
@@ -79,8 +110,9 @@ def output_paths(output: str, count: int) -> list[Path]:
 
 
 def resolve_dtype(name: str, device: str):
-    """``--dtype``: ``auto`` is the project's compute-dtype policy for ``device`` (bf16 on CUDA and on
-    CPUs with bf16 units, else float32; :mod:`krea2_diffusers.precision`), a name is obeyed.
+    """``--dtype``: ``auto`` is the project's compute-dtype policy for ``device`` (bf16 on CUDA GPUs and
+    CPUs with bf16 units, float16 on older GPUs, else float32; :mod:`krea2_diffusers.precision`), a
+    name is obeyed.
     Returns the :class:`~krea2_diffusers.precision.ComputeDtype` (dtype and reason)."""
     import torch
 
@@ -135,6 +167,7 @@ def check_arguments(args) -> tuple[list[Path], list, list]:
     for path, _ in style + loras:
         if not Path(path).is_file():
             raise FileNotFoundError(f"{path}: no such file")
+    check_speed_options(args)
     return paths, style, loras
 
 
@@ -173,8 +206,8 @@ def run(args) -> int:
         image_args = dict(image=args.init_image, strength=check_strength(args.strength))
         if args.mask:
             image_args["mask_image"] = args.mask
-    size = {} if args.init_image else dict(height=DEFAULT_SIZE, width=DEFAULT_SIZE)
-    size.update({k: v for k, v in (("height", args.height), ("width", args.width)) if v is not None})
+    # Unset sides are the pipeline's: the --init-image's size, else the model's preset's.
+    size = {k: v for k, v in (("height", args.height), ("width", args.width)) if v is not None}
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     chosen = resolve_dtype(args.dtype, device)
     print(chosen.describe())
@@ -201,14 +234,19 @@ def run(args) -> int:
     if args.init_image:
         pipe = (Krea2InpaintPipeline if args.mask else Krea2Img2ImgPipeline).from_pipe(pipe)
     generators = [torch.Generator(device).manual_seed(args.seed + i) for i in range(args.num_images)]
-    result = pipe(args.prompt, negative_prompt=args.negative, **size, **image_args, reference_attention=args.reference_attention,
-                  num_inference_steps=args.steps, guidance_scale=args.guidance,
-                  num_images_per_prompt=args.num_images, generator=generators, creativity=args.creativity,
-                  expansion_seed=args.seed, style_images=[p for p, _ in style] or None,
-                  style_strengths=[s for _, s in style] or None, style_mode=args.style_mode,
-                  reference_images=None if references is None else references.images,
-                  reference_vision_tokens=args.reference_vision_tokens, reference_latents=args.reference_latents,
-                  reference_method=args.reference_method)
+    from ..caching.apply import compile_blocks, step_cache
+
+    if args.compile:
+        compile_blocks(pipe.transformer)
+    with step_cache(pipe, args.cache, num_inference_steps=args.steps, threshold=args.cache_threshold):
+        result = pipe(args.prompt, negative_prompt=args.negative, **size, **image_args, reference_attention=args.reference_attention,
+                      num_inference_steps=args.steps, guidance_scale=args.guidance, guidance_interval=args.guidance_interval,
+                      num_images_per_prompt=args.num_images, generator=generators, creativity=args.creativity,
+                      expansion_seed=args.seed, style_images=[p for p, _ in style] or None,
+                      style_strengths=[s for _, s in style] or None, style_mode=args.style_mode,
+                      reference_images=None if references is None else references.images,
+                      reference_vision_tokens=args.reference_vision_tokens, reference_latents=args.reference_latents,
+                      reference_method=args.reference_method)
     if result.expanded_prompts is not None:
         print(f"expanded prompt: {result.expanded_prompts[0]}")
     preset = pipe.preset
@@ -236,6 +274,12 @@ def run(args) -> int:
                 settings["mask"] = str(args.mask)
         if loras:
             settings["loras"] = [{"path": str(p), "strength": s} for p, s in loras]
+        if args.cache != "none":
+            settings.update(cache=args.cache, cache_threshold=args.cache_threshold)
+        if args.guidance_interval is not None:
+            settings["guidance_interval"] = list(args.guidance_interval)
+        if args.compile:
+            settings["compiled_blocks"] = True
         save_png(image, path, settings)
         print(f"wrote {path}")
     return 0

@@ -22,6 +22,9 @@ so ``txtfusion_layerwise_blocks_0_attn_wq`` maps back correctly.
 On load, each module's ``alpha / rank`` is folded into ``lora_B``, so the adapter is stored at
 alpha = rank and every exporter writes files whose effect does not depend on how a reader treats
 alpha. Only safetensors files are read: pickled LoRAs can run code and are refused.
+
+What happens to an adapter once added (weights, fusing, deletion) is :mod:`.adapters`; the
+pipelines' diffusers-style API over both is :mod:`.lora_pipeline`.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ from torch import nn
 
 from ..files import save_safetensors
 from .convert import UnknownKeyError, diffusers_module_to_original
+from .adapters import join_active
+# Re-exported: the adapters' later life (weights, deletion) lives in .adapters; callers import them from here.
+from .adapters import delete_lora, set_lora_strength, unload_loras  # noqa: F401
 from .lycoris import ROLES, TUCKER_ROLES, LycorisLayer, add_lycoris_adapter, kind_of
 
 # Key suffix -> role. Longest first so ".lora_A.default.weight" never reads as ".weight".
@@ -261,8 +267,8 @@ def _unique_adapter_name(transformer: nn.Module, adapter_name: str | None) -> st
 
 def apply_lora_layers(transformer: nn.Module, layers: Mapping[str, LoraLayer | LycorisLayer], adapter_name: str | None = None,
                       strength: float = 1.0) -> str:
-    """Inject ``layers`` (LoRA, or all LoKr, or all LoHa) as one PEFT adapter and activate it (with
-    all earlier ones) at ``strength``."""
+    """Inject ``layers`` (LoRA, or all LoKr, or all LoHa) as one PEFT adapter and activate it at
+    ``strength`` beside the active ones (:func:`.adapters.join_active`)."""
     if not layers:
         raise LoraFormatError(f"no LoRA layers to apply as adapter {adapter_name!r} (an empty state dict?)")
     kinds = sorted({getattr(layer, "kind", "lora") for layer in layers.values()})
@@ -276,10 +282,7 @@ def apply_lora_layers(transformer: nn.Module, layers: Mapping[str, LoraLayer | L
             add_lycoris_adapter(transformer, layers, name)
         except ValueError as err:
             raise LoraFormatError(str(err)) from None
-    strengths = getattr(transformer, "_krea2_lora_strengths", {})
-    strengths[name] = float(strength)
-    transformer._krea2_lora_strengths = strengths
-    transformer.set_adapters(list(strengths), weights=list(strengths.values()))
+    join_active(transformer, name, strength)
     return name
 
 
@@ -308,40 +311,6 @@ def _add_lora_adapter(transformer: nn.Module, layers: Mapping[str, LoraLayer], n
     unexpected = getattr(result, "unexpected_keys", None) or []
     if unexpected:
         raise LoraFormatError(f"PEFT did not accept LoRA tensors, e.g. {unexpected[:3]}")
-
-
-def delete_lora(transformer: nn.Module, adapter_name: str) -> None:
-    """Remove adapter ``adapter_name`` and its strength (the other adapters keep theirs)."""
-    transformer.delete_adapters(adapter_name)
-    getattr(transformer, "_krea2_lora_strengths", {}).pop(adapter_name, None)
-
-
-def unload_loras(transformer: nn.Module) -> None:
-    """Remove every adapter this loader put on ``transformer`` (the base weights were never modified)."""
-    names = list(getattr(transformer, "_krea2_lora_strengths", {}))
-    if names:
-        transformer.delete_adapters(names)
-    transformer._krea2_lora_strengths = {}
-
-
-def set_lora_strength(transformer: nn.Module, adapter_name: str, strength: float) -> None:
-    strengths = getattr(transformer, "_krea2_lora_strengths", {})
-    if adapter_name not in strengths:
-        raise KeyError(f"no adapter {adapter_name!r}; loaded: {sorted(strengths)}")
-    strengths[adapter_name] = float(strength)
-    transformer.set_adapters(list(strengths), weights=list(strengths.values()))
-
-
-def remove_lora(transformer: nn.Module, adapter_name: str) -> bool:
-    """Remove one loaded adapter (the others stay active at their strengths); False if absent."""
-    strengths = getattr(transformer, "_krea2_lora_strengths", {})
-    if adapter_name not in strengths:
-        return False
-    transformer.delete_adapters([adapter_name])
-    del strengths[adapter_name]
-    if strengths:
-        transformer.set_adapters(list(strengths), weights=list(strengths.values()))
-    return True
 
 
 def load_lora_into_transformer(

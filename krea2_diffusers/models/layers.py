@@ -46,6 +46,8 @@ class RMSNorm(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # Statistics in float32; the scale itself is applied at (at least) float32 precision.
         scale = 1.0 + self.weight.to(torch.promote_types(self.weight.dtype, torch.float32))
+        if torch.compiler.is_compiling():  # traced: nothing warns, and catch_warnings would split the graph
+            return F.rms_norm(hidden_states.float(), scale.shape, weight=scale, eps=self.eps).to(hidden_states.dtype)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
             normed = F.rms_norm(hidden_states.float(), scale.shape, weight=scale, eps=self.eps)

@@ -20,10 +20,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.loaders import PeftAdapterMixin
+from diffusers.models.cache_utils import CacheMixin
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.modeling_utils import ModelMixin
-from diffusers.utils import apply_lora_scale
 
+from ..caching.registrations import check_cache_config, register_block
+from ..loaders.adapters import per_call_lora_scale
 from ..presets import check_reference_options
 from .layers import Attention, PlainBlock, RMSNorm, SwiGLU, TimestepEmbedding, rope_tables
 
@@ -195,7 +197,7 @@ class FinalLayer(nn.Module):
         return self.linear((1 + scale[:, None]) * self.norm(hidden_states) + shift[:, None])
 
 
-class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
+class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin):
     """Krea 2 flow-velocity transformer (12.8B parameters at the default config).
 
     Args mirror ``diffusers.Krea2Transformer2DModel``: ``in_channels`` (64 = 16 latent channels x 2x2
@@ -279,12 +281,20 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         model = load_single_file(cls, path, torch_dtype=torch_dtype, config=config, upcast_fp8=upcast_fp8)
         return model.to(device) if device is not None else model
 
+    def enable_cache(self, config) -> None:
+        """diffusers' step caches (``CacheMixin.enable_cache``): ``FirstBlockCacheConfig``,
+        ``TaylorSeerCacheConfig``, ``MagCacheConfig``; ``disable_cache()`` removes them. FasterCache and
+        Pyramid Attention Broadcast are refused with the reason (see :mod:`krea2_diffusers.caching.registrations`)."""
+        check_cache_config(config)
+        super().enable_cache(config)
+
     @property
     def compute_dtype(self) -> torch.dtype:
         """Dtype of the residual stream: the image projection's (kept unquantized in every format)."""
         dtype = self.img_in.weight.dtype
         return dtype if dtype in _COMPUTE_DTYPES else torch.bfloat16
 
+    @per_call_lora_scale
     def prepare_conditioning(
         self,
         encoder_hidden_states: torch.Tensor,
@@ -295,6 +305,7 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         key_bias: torch.Tensor | None = None,
         reference_attention: str = "joint",
         reference_method: str = "index_timestep_zero",
+        attention_kwargs: dict[str, Any] | None = None,
     ) -> Krea2Conditioning:
         """Run the timestep-independent part of the forward once.
 
@@ -315,6 +326,8 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
             reference_method: "index_timestep_zero": the references are modulated as timestep 0 (their
                 own modulation, ComfyUI's native Krea 2 with ``ref_latents``); "index": with the step's
                 timestep, like the image tokens (not cacheable: their keys/values change every step).
+            attention_kwargs: ``{"scale": s}`` scales PEFT adapters for this call, as in :meth:`forward`: a
+                pipeline passes the denoising steps' scale so that text fusion and cached references get it too.
         """
         if position_ids.ndim != 2 or position_ids.shape[-1] != 3:
             raise ValueError(f"position_ids must have shape (sequence_length, 3), got {tuple(position_ids.shape)}")
@@ -376,7 +389,7 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         modulation = self.time_mod_proj(F.gelu(temb, approximate="tanh"))
         return temb, modulation.to(_modulation_dtype(dtype)).view(timestep.shape[0], 1, 6, -1)
 
-    @apply_lora_scale("attention_kwargs")
+    @per_call_lora_scale
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -433,6 +446,10 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         block_args = (time_modulation, conditioning.rope, conditioning.attention_bias,
                       conditioning.reference_modulation, conditioning.reference_len)
         cached = conditioning.reference_kv or [None] * len(self.transformer_blocks)
+        if len(cached) != len(self.transformer_blocks):  # e.g. cache-dit runs its own wrapper in their place
+            raise ValueError(f"reference_attention='cached' keeps keys/values for {len(cached)} blocks, but transformer_blocks "
+                             f"holds {len(self.transformer_blocks)} modules (a block-list wrapper such as cache-dit's?): "
+                             "use reference_attention='joint' with it")
         for block, reference_kv in zip(self.transformer_blocks, cached):
             if torch.is_grad_enabled() and self.gradient_checkpointing:
                 tokens = self._gradient_checkpointing_func(block, tokens, *block_args, reference_kv)
@@ -445,3 +462,6 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
             return (output,)
         return Transformer2DModelOutput(sample=output)
 
+
+# diffusers' cache hooks and cache-dit find our blocks' calling convention here (krea2_diffusers.caching).
+register_block(Krea2Block, Krea2Transformer2DModel)

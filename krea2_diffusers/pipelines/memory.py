@@ -7,8 +7,8 @@ applies the plan and returns a sentence saying what it chose. The options, cheap
 1. everything resident on the accelerator;
 2. model CPU offload: one component (text encoder, transformer, VAE) on the accelerator at a time;
 3. + fp8 weight storage for the transformer's block matrices, computed in the policy's dtype
-   (:func:`~krea2_diffusers.precision.compute_dtype`: bf16 on CUDA; the project's one fp8 layer,
-   per-row scaled :class:`~krea2_diffusers.quantization.fp8.Fp8Linear`);
+   (:func:`~krea2_diffusers.precision.compute_dtype`: bf16 on CUDA GPUs with bf16 units; the
+   project's one fp8 layer, per-row scaled :class:`~krea2_diffusers.quantization.fp8.Fp8Linear`);
 4. + bitsandbytes NF4 for the transformer, then also for the text encoder (only when
    bitsandbytes can run; asking for it explicitly where it cannot is an error, see ``quantization.bnb``);
 5. fp8 transformer with block-level group offload, and the text encoder group-offloaded too:
@@ -167,8 +167,8 @@ def release_text_encoder(pipe) -> None:
 
 def apply_plan(pipe, plan: MemoryPlan, device: torch.device) -> None:
     """Apply ``plan`` to ``pipe`` in place (storage changes first, then placement)."""
-    # Quantized storage computes in the policy's dtype (bf16 on CUDA and on CPUs with bf16 units;
-    # float32 on a CPU that would emulate bf16); otherwise the weights keep the dtype they were loaded in.
+    # Quantized storage computes in the policy's dtype (bf16 on CUDA GPUs and CPUs with bf16 units;
+    # float16 on an older GPU, float32 on a CPU that would emulate bf16); otherwise the weights keep the dtype they were loaded in.
     compute = compute_dtype(device) if plan.transformer_storage else pipe.transformer.dtype
     if plan.transformer_storage == "fp8":
         from ..quantization.fp8 import quantize_transformer_fp8_

@@ -19,14 +19,18 @@ from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 
 from .. import sampling
+from ..caching import contexts
+from ..caching.contexts import cache_context
 from ..conditioning.reference_images import DEFAULT_REFERENCE_MAX_PIXELS, check_reference_images
 from ..conditioning.style import DEFAULT_STYLE_RESOLUTION, STYLE_MODES
 from ..conditioning.text import DEFAULT_MAX_SEQUENCE_LENGTH, TAPPED_LAYERS, encode_prompts
 from ..latents import PATCH_SIZE, PIXELS_PER_TOKEN, decode_latents, pack_latents, position_ids, round_to_multiple, unpack_latents
+from ..loaders.lora_pipeline import Krea2LoraLoaderMixin
+from ..models.digits import digits_components, digits_folder, is_digits
 from ..models.tiny import TINY_LABEL, is_tiny, tiny_components
 from ..models.transformer import Krea2Transformer2DModel
 from ..models.vae import enable_single_frame_convs
-from ..presets import check_reference_options, preset_for
+from ..presets import check_preset_name, check_reference_options, preset_for
 from .prompt_inputs import prompt_list, prompt_rows, reference_inputs
 
 logger = logging.getLogger(__name__)
@@ -61,8 +65,9 @@ class Krea2PipelineOutput(BaseOutput):
     expanded_prompts: list[str] | None = None
 
 
-class Krea2Pipeline(DiffusionPipeline):
-    """Krea 2 text-to-image pipeline.
+class Krea2Pipeline(DiffusionPipeline, Krea2LoraLoaderMixin):
+    """Krea 2 text-to-image pipeline. LoRAs: diffusers' calls (``load_lora_weights``, ``set_adapters``,
+    ``fuse_lora`` ...), see :mod:`~krea2_diffusers.loaders.lora_pipeline`.
 
     Args:
         scheduler: kept for diffusers-format folders; sampling follows Krea 2's schedule (see ``sampling``).
@@ -73,13 +78,16 @@ class Krea2Pipeline(DiffusionPipeline):
         text_encoder_select_layers: tapped ``hidden_states`` indices (default: the released 12).
         is_distilled: True for Turbo (fixed shift, 8 steps, no CFG by default).
         distilled_steps: a distilled model's own default step count (e.g. 4 for a 4-step student).
+        sampler_preset: a named preset of :data:`~krea2_diffusers.presets.NAMED_PRESETS` giving the
+            defaults of steps, guidance and size (``"digits"``: ``krea2-digits``); None: RAW's or Turbo's.
     """
 
     model_cpu_offload_seq = "text_encoder->transformer->vae"
     _callback_tensor_inputs = ["latents", "prompt_embeds"]
 
     def __init__(self, scheduler, vae, text_encoder, tokenizer, transformer, text_encoder_select_layers=None,
-                 is_distilled: bool = False, patch_size: int = PATCH_SIZE, distilled_steps: int | None = None):
+                 is_distilled: bool = False, patch_size: int = PATCH_SIZE, distilled_steps: int | None = None,
+                 sampler_preset: str | None = None):
         super().__init__()
         if patch_size != PATCH_SIZE:
             raise ValueError(f"Krea 2 uses patch_size={PATCH_SIZE}, got {patch_size}")
@@ -91,7 +99,7 @@ class Krea2Pipeline(DiffusionPipeline):
         if len(layers) != expected:
             raise ValueError(f"text_encoder_select_layers has {len(layers)} entries; the transformer reads {expected} layers")
         self.register_to_config(text_encoder_select_layers=layers, is_distilled=bool(is_distilled), patch_size=patch_size,
-                                distilled_steps=distilled_steps)
+                                distilled_steps=distilled_steps, sampler_preset=check_preset_name(sampler_preset))
         self.label = None  # e.g. the tiny-random warning, shown by the CLI and the UIs
         # CFG runs both branches in one batch; set False to halve peak activation memory.
         self.batch_cfg = True
@@ -108,8 +116,14 @@ class Krea2Pipeline(DiffusionPipeline):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """A diffusers-format folder or hub id (our transformer class is used), or ``"tiny-random"``."""
+        """A diffusers-format folder or hub id (our transformer class is used), ``"tiny-random"``, or
+        ``"krea2-digits"`` (the packaged trained model, float32 unless ``torch_dtype``)."""
         is_distilled = kwargs.pop("is_distilled", None)
+        if is_digits(pretrained_model_name_or_path):
+            # The folder ships no text encoder or tokenizer: rebuilt offline (models.digits), unless passed.
+            kwargs["torch_dtype"] = kwargs.get("torch_dtype") or torch.float32
+            kwargs.update(digits_components(kwargs["torch_dtype"], kwargs.get("text_encoder"), kwargs.get("tokenizer")))
+            pretrained_model_name_or_path = digits_folder()
         if is_tiny(pretrained_model_name_or_path):
             dtype = kwargs.pop("torch_dtype", None) or torch.float32
             components = tiny_components(seed=kwargs.pop("seed", 0), torch_dtype=dtype)
@@ -140,7 +154,8 @@ class Krea2Pipeline(DiffusionPipeline):
         e.g. ``Krea2Img2ImgPipeline.from_pipe(pipe)``. Keyword arguments replace components or
         config values (``is_distilled`` ...). Unlike diffusers' generic version no dtype is cast."""
         components = {name: kwargs.pop(name, module) for name, module in pipeline.components.items()}
-        config = {key: kwargs.pop(key, pipeline.config[key]) for key in ("text_encoder_select_layers", "is_distilled", "patch_size")}
+        keys = ("text_encoder_select_layers", "is_distilled", "patch_size", "distilled_steps", "sampler_preset")
+        config = {key: kwargs.pop(key, getattr(pipeline.config, key, None)) for key in keys}
         if kwargs:
             raise ValueError(f"from_pipe got unknown arguments {sorted(kwargs)}")
         new = cls(**components, **config)
@@ -176,7 +191,8 @@ class Krea2Pipeline(DiffusionPipeline):
 
     @property
     def preset(self):
-        return preset_for(self.is_distilled, getattr(self.config, "distilled_steps", None))
+        return preset_for(self.is_distilled, getattr(self.config, "distilled_steps", None),
+                          getattr(self.config, "sampler_preset", None))
 
     # ------------------------------------------------------------------ text
     def encode_prompt(self, prompt, device=None, num_images_per_prompt: int = 1, prompt_embeds=None,
@@ -220,8 +236,8 @@ class Krea2Pipeline(DiffusionPipeline):
         self,
         prompt: str | list[str] | None = None,
         negative_prompt: str | list[str] | None = None,
-        height: int = 1024,
-        width: int = 1024,
+        height: int | None = None,
+        width: int | None = None,
         num_inference_steps: int | None = None,
         sigmas: list[float] | None = None,
         guidance_scale: float | None = None,
@@ -259,8 +275,8 @@ class Krea2Pipeline(DiffusionPipeline):
 
         Args:
             prompt / negative_prompt: text(s); the negative defaults to "" when guidance is on.
-            height, width: pixels, rounded up to multiples of 16.
-            num_inference_steps: Euler steps; default 52 (RAW) or 8 (Turbo).
+            height, width: pixels, rounded up to multiples of 16; default the preset's (1024; krea2-digits 64).
+            num_inference_steps: Euler steps; default 52 (RAW) or 8 (Turbo) (krea2-digits 16).
             sigmas: custom unshifted time grid (N values in (0, 1], no final 0), diffusers-style.
             guidance_scale: CFG in Krea's convention, ``v = v_c + g (v_c - v_u)``: 0 = off. The usual
                 (ComfyUI) scale is ``g + 1``. Default 3.5 (RAW) or 0 (Turbo).
@@ -321,7 +337,8 @@ class Krea2Pipeline(DiffusionPipeline):
                                             latents=reference_latents, max_pixels=reference_max_pixels)
         if references is not None and (style_images is not None or prompt is None):
             raise ValueError("reference_images need `prompt` text (not prompt_embeds) and no style_images")
-        height, width = self._check_size(height, width)
+        height, width = self._check_size(preset.resolution if height is None else height,
+                                        preset.resolution if width is None else width)
         if (prompt is None) == (prompt_embeds is None):
             raise ValueError("pass exactly one of `prompt` and `prompt_embeds`")
         device = self._execution_device
@@ -374,10 +391,12 @@ class Krea2Pipeline(DiffusionPipeline):
         self._num_timesteps = steps
 
         # 3. Everything that does not change across steps, once.
-        conditioning = self.transformer.prepare_conditioning(
-            all_embeds.to(device), positions, all_mask.to(device), reference_hidden_states=reference, key_bias=key_bias,
-            reference_attention=reference_attention, reference_method=reference_method,
-        )
+        with cache_context(self.transformer, contexts.REFERENCES):  # cached references run the blocks once
+            conditioning = self.transformer.prepare_conditioning(
+                all_embeds.to(device), positions, all_mask.to(device), reference_hidden_states=reference, key_bias=key_bias,
+                reference_attention=reference_attention, reference_method=reference_method,
+                attention_kwargs=attention_kwargs,  # the per-call LoRA scale reaches text fusion and cached references too
+            )
         cond_only = conditioning.select(slice(0, total)) if do_cfg else conditioning
 
         # 4. Euler steps.
@@ -452,15 +471,19 @@ class Krea2Pipeline(DiffusionPipeline):
     def _velocity(self, latents, t, conditioning, cond_only, guidance, interval, attention_kwargs, total):
         """The (guided) velocity (B, N, 64) at time t; one transformer pass when CFG is batched."""
         timestep = torch.full((total,), t, device=latents.device, dtype=torch.float32)
-        run = lambda x, cond, ts: self.transformer(x, timestep=ts, conditioning=cond, attention_kwargs=attention_kwargs, return_dict=False)[0].float()
+
+        def run(x, cond, ts, context):  # context: the diffusers cache state this layout uses (caching.contexts)
+            with cache_context(self.transformer, context):
+                return self.transformer(x, timestep=ts, conditioning=cond, attention_kwargs=attention_kwargs, return_dict=False)[0].float()
+
         if not sampling.guidance_active(t, guidance, interval):
-            return run(latents, cond_only, timestep)
+            return run(latents, cond_only, timestep, contexts.CONDITIONAL)
         if self.batch_cfg:
-            both = run(torch.cat([latents, latents]), conditioning, torch.cat([timestep, timestep]))
+            both = run(torch.cat([latents, latents]), conditioning, torch.cat([timestep, timestep]), contexts.BATCHED_CFG)
             cond, uncond = both.chunk(2)
         else:
-            cond = run(latents, cond_only, timestep)
-            uncond = run(latents, conditioning.select(slice(total, 2 * total)), timestep)
+            cond = run(latents, cond_only, timestep, contexts.CONDITIONAL)
+            uncond = run(latents, conditioning.select(slice(total, 2 * total)), timestep, contexts.UNCONDITIONAL)
         return sampling.guided_velocity(cond, uncond, guidance)
 
     @property
@@ -488,16 +511,3 @@ class Krea2Pipeline(DiffusionPipeline):
         from .memory import apply_memory_preset
 
         return apply_memory_preset(self, memory, device=device)
-
-    # ------------------------------------------------------------------ adapters
-    def load_lora_weights(self, pretrained_model_name_or_path_or_dict, adapter_name: str | None = None, strength: float = 1.0, **kwargs):
-        """Load a LoRA in diffusers/PEFT, ComfyUI/native or kohya format onto the transformer."""
-        from ..loaders.lora import load_lora_into_transformer
-
-        return load_lora_into_transformer(self.transformer, pretrained_model_name_or_path_or_dict, adapter_name=adapter_name, strength=strength, **kwargs)
-
-    def unload_lora_weights(self) -> None:
-        """Remove every loaded LoRA; the base weights were never modified."""
-        from ..loaders.lora import unload_loras
-
-        unload_loras(self.transformer)

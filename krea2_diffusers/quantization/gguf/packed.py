@@ -9,15 +9,21 @@ The weight is expanded to the input's dtype ON THE INPUT'S DEVICE at every call 
 after, so at most one layer's full-precision weight exists at a time. Packed bytes kept elsewhere
 (CPU offload) travel to the input's device first: 2-4x fewer bytes than the expanded weight, and
 the accelerator, not the CPU, does the expansion.
+
+The matmul is :func:`..chunked_linear.chunked_linear`'s, as fp8's: on the CPU the weight is
+expanded a few MiB of output rows at a time into memory the allocator reuses. Expanded whole, each
+call's matrix was fresh memory (0.19 GiB in bf16 for a 16384 x 6144 MLP matrix), and faulting
+its pages in cost more than the dequantization itself (bench/bench_dequant.py). Backward
+re-expands the packed rows instead of keeping the expanded weight for it.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
+from ..chunked_linear import chunked_linear
 from .dequant import dequantize
 from .qtypes import PACKED_TYPES, row_bytes
 
@@ -55,11 +61,14 @@ class PackedLinear(nn.Linear):
             return self.weight
         return self.weight.to(device, non_blocking=self.weight.is_pinned())
 
+    def weight_rows(self, rows: slice, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Rows ``rows`` of the weight, ``(len(rows), in_features)`` in ``dtype``, expanded on ``device``."""
+        packed = self.packed_on(device)[rows]
+        return dequantize(packed, self.qtype, (packed.shape[0], self.in_features), dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``(..., in_features)`` float -> ``(..., out_features)`` in ``x.dtype``."""
-        weight = dequantize(self.packed_on(x.device), self.qtype, (self.out_features, self.in_features), x.dtype)
-        bias = None if self.bias is None else self.bias.to(device=x.device, dtype=x.dtype)
-        return F.linear(x, weight, bias)
+        return chunked_linear(x, self.weight_rows, self.out_features, self.in_features, self.bias)
 
     def reset_parameters(self) -> None:
         # nn.Linear's initialiser would try to re-randomise the packed bytes; they are data, not parameters to init.
