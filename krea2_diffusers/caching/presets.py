@@ -5,9 +5,15 @@
 ``dbcache_preset(...)`` returns the keyword arguments of ``cache_dit.enable_cache(pipe, ...)``.
 Each has a RAW setting (28-52 steps with CFG) and a Turbo one (``distilled=True``, ~8 steps).
 
-PROVISIONAL: the values below are starting points taken from each method's published defaults,
-not yet measured on a trained Krea 2 (the proving ground's digits model and bench/bench_cache.py
-will set them). ``threshold`` replaces the preset's main knob:
+The values below started from each method's published defaults and were then measured on a
+trained Krea 2, the proving ground's digits model (``krea2-digits``; ``bench/bench_cache.py --quick
+--per-digit 5``, 28 steps CFG 3 / 8 steps guidance 0, its judge; figures in the README): RAW
+``taylorseer`` 3 evaluates 24 of 56 forwards, 2.2x faster, accuracy 1.00 as uncached, FD 143.8 against
+147.0 (with the red-ink LoRA: 24 / 56, 1.9x, concept 0.84 against 0.82) and is the one to use;
+``fbcache`` 0.08 and ``dbcache`` 0.08 skip little on this model (47.7 and 51 of 56 forwards), and
+``magcache`` 0.06 on FLUX.1's ratios skips 28 of 56 (1.8x) with FD 152.1. The Turbo column is
+still PROVISIONAL (at 8 steps interval 3 gave 5 of 8 forwards, 1.4x, with accuracy kept).
+``threshold`` replaces the preset's main knob:
 
 ========== ===================================== ================ =================
 name       knob (``threshold`` / ``--cache-threshold``) RAW          Turbo
