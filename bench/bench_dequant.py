@@ -1,7 +1,7 @@
 """GGUF dequantization of one Krea 2-sized layer, side by side, and the forward that consumes it.
 
     python bench/bench_dequant.py [--shape 6144x6144] [--types Q4_K,Q8_0,Q6_K] [--repeats 3]
-                                  [--tokens 1056] [--threads N] [--json OUT]
+                                  [--tokens 1056] [--forward-dtypes f32,bf16] [--threads 1] [--json OUT]
 
 For each type, in one process, calls alternate (so a neighbour's load hits every candidate alike)
 and each candidate keeps its fastest of ``--repeats``:
@@ -16,17 +16,20 @@ and each candidate keeps its fastest of ``--repeats``:
   source is not installed on this machine; its default dequant dtype may differ from the target's;
 - ``gguf-py``: ``gguf.quants.dequantize`` (numpy, float32), the exactness reference;
 - ``fresh pages``: allocating and filling a tensor of the output's size: what faulting in the
-  result alone costs, so the other rows' system time and faults can be read against it.
+  result alone costs (and the system time of one fault), so the other rows' system time and
+  faults can be read against it.
 
 Each row gives wall, user and system CPU seconds and minor page faults of its best call
 (:class:`krea2_diffusers.cpu_usage.Usage`), ``ours / this`` wall ratio, the largest difference
-to gguf-py's float32 values, and whether the result IS those values rounded once to the dtype.
+to gguf-py's float32 values (for bf16, mostly bf16's own rounding) and the fraction of values
+that differ from those values rounded once to the dtype: 0 when the result is exact.
 
 The forward section times, for ``--forward-type`` at each dtype: ``x (tokens, in) @ W.T`` on an
 already expanded ``W`` (the matmul alone), and :class:`PackedLinear`'s forward (the layer as the
 model runs it: output rows dequantized a few MiB at a time, each chunk's matmul right after). The
-difference is what dequantization adds; "est." rows put the other candidates' whole-matrix time in
-its place. ``--chunk-sweep`` times ``ours`` (bf16) at other ``CHUNK_VALUES``.
+difference is what dequantization adds; the "est." figures put each candidate's whole-matrix
+dequantization time in its place (matmul + dequantize, the way a layer expanding whole would run).
+``--chunk-sweep`` times ``ours`` (bf16) at other ``CHUNK_VALUES``.
 
 The packed bytes: gguf-py's quantizer where it has one (Q8_0), else this package's
 (:func:`krea2_diffusers.quantization.gguf.quantizer.quantize`, the K-quants), of N(0, 0.02)
@@ -197,21 +200,28 @@ def bench_type(qtype, rows: int, cols: int, repeats: int) -> dict:
     packed = torch.from_numpy(raw)
     reference = torch.from_numpy(gguf_quants.dequantize(raw, qtype))
     candidates = {"gguf-py/f32": lambda: gguf_quants.dequantize(raw, qtype)}
+    impls = {"ours": dequant.dequantize, "before": before_dequantize, "comfy-style": comfy_style_dequantize}
     for label, dtype in DTYPES.items():
-        candidates[f"ours/{label}"] = lambda dtype=dtype: dequant.dequantize(packed, qtype, (rows, cols), dtype)
-        candidates[f"before/{label}"] = lambda dtype=dtype: before_dequantize(packed, qtype, (rows, cols), dtype)
-        candidates[f"comfy-style/{label}"] = lambda dtype=dtype: comfy_style_dequantize(packed, qtype, (rows, cols), dtype)
+        for impl, fn in impls.items():
+            candidates[f"{impl}/{label}"] = lambda fn=fn, dtype=dtype: fn(packed, qtype, (rows, cols), dtype)
         candidates[f"fresh pages/{label}"] = lambda dtype=dtype: torch.empty(rows, cols, dtype=dtype).fill_(1)
 
     def check(name, out):
         impl, label = name.split("/")
         return None if impl == "fresh pages" else exactness(out, reference, DTYPES[label])
 
+    def row(name):
+        impl, label = name.split("/")
+        spent = best[name]
+        if impl == "fresh pages":  # the kernel's price of one fresh page, the figure the faults are read with
+            return {"impl": impl, "dtype": label, **spent.as_dict(),
+                    "system_us_per_fault": spent.system / max(1, spent.minor_faults) * 1e6}
+        return {"impl": impl, "dtype": label, **spent.as_dict(),
+                "ours_over_this": best[f"ours/{label}"].wall / spent.wall, **checks[name]}
+
     best, checks = best_of(candidates, repeats, check)
     return {"qtype": qtype.name, "bytes_from": source, "max_abs_weight": float(reference.abs().max()),
-            "rows": [{"impl": name.split("/")[0], "dtype": name.split("/")[1], **best[name].as_dict(),
-                      "ours_over_this": best[f"ours/{name.split('/')[1]}"].wall / best[name].wall,
-                      **(checks[name] or {})} for name in candidates]}
+            "rows": [row(name) for name in candidates]}
 
 
 def bench_forward(qtype, rows: int, cols: int, tokens: int, repeats: int, dequant_rows: list[dict],
@@ -228,9 +238,14 @@ def bench_forward(qtype, rows: int, cols: int, tokens: int, repeats: int, dequan
         with torch.no_grad():
             best, _ = best_of({"matmul": lambda: F.linear(x, weight), "forward": lambda: layer(x)}, repeats)
         matmul, forward = best["matmul"].wall, best["forward"].wall
-        entry = {"dtype": label, "tokens": tokens, "matmul": best["matmul"].as_dict(), "forward": best["forward"].as_dict(),
+        entry = {"dtype": label, "tokens": tokens,
+                 "matmul": best["matmul"].as_dict(), "forward": best["forward"].as_dict(),
                  "matmul_gflops": flops / matmul / 1e9, "forward_gflops": flops / forward / 1e9,
                  "dequant_share_of_forward": 1 - matmul / forward,
+                 # CPU seconds: with one thread, the time the process had a core, steadier than wall
+                 # when neighbours take turns on it
+                 "forward_gflops_cpu": flops / best["forward"].cpu / 1e9,
+                 "dequant_share_of_forward_cpu": 1 - best["matmul"].cpu / best["forward"].cpu,
                  "ours_whole_matrix_over_forward": walls[("ours", label)] / forward,
                  "est_forward_gflops": {impl: flops / (matmul + walls[(impl, label)]) / 1e9
                                         for impl in ("ours", "before", "comfy-style")}}
@@ -265,14 +280,19 @@ def print_report(record: dict) -> None:
     for t in record["types"]:
         print(f"\n{t['qtype']} (bytes from {t['bytes_from']}, max |w| {t['max_abs_weight']:.3g})\n{head}")
         for r in t["rows"]:
-            exact = "" if "max_abs_diff" not in r else f"{r['max_abs_diff']:10.3g} {r['differ_from_once_rounded']:13.1%}"
+            if "max_abs_diff" in r:
+                tail = f"{r['ours_over_this']:9.2f} {r['max_abs_diff']:10.3g} {r['differ_from_once_rounded']:13.1%}"
+            else:
+                tail = f"{'':9} ({r['system_us_per_fault']:.2f} us of system time a fault)"
             print(f"{r['impl']:<12} {r['dtype']:<5} {r['wall']:7.3f} {r['user']:7.3f} {r['system']:6.3f} "
-                  f"{r['minor_faults']:8.0f} {r['ours_over_this']:9.2f} {exact}")
+                  f"{r['minor_faults']:8.0f} {tail}")
     for f in record.get("forward", []):
         est = ", ".join(f"{k} {v:.1f}" for k, v in f["est_forward_gflops"].items())
-        print(f"\nforward {record['forward_type']} {f['dtype']}, {f['tokens']} tokens: matmul {f['matmul']['wall']:.3f} s "
-              f"({f['matmul_gflops']:.1f} GFLOPS), PackedLinear {f['forward']['wall']:.3f} s ({f['forward_gflops']:.1f} "
+        print(f"\nforward {record['forward_type']} {f['dtype']}, {f['tokens']} tokens: "
+              f"matmul {f['matmul']['wall']:.3f} s ({f['matmul_gflops']:.1f} GFLOPS), "
+              f"PackedLinear {f['forward']['wall']:.3f} s ({f['forward_gflops']:.1f} "
               f"GFLOPS, {f['forward']['minor_faults']:.0f} faults); dequant {f['dequant_share_of_forward']:.0%} of it; "
+              f"on CPU seconds {f['forward_gflops_cpu']:.1f} GFLOPS, dequant {f['dequant_share_of_forward_cpu']:.0%}; "
               f"whole-matrix ours / forward {f['ours_whole_matrix_over_forward']:.2f}; est. GFLOPS with whole-matrix "
               f"dequant: {est}")
     for c in record.get("chunk_sweep", []):
@@ -289,7 +309,10 @@ def parse_args(argv=None):
     parser.add_argument("--forward-dtypes", default="f32,bf16", help="dtypes of x and W in the forward")
     parser.add_argument("--forward-repeats", type=int, default=1)
     parser.add_argument("--chunk-sweep", default="65536,262144,1048576", help="CHUNK_VALUES to try; '' skips")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    # One thread by default: on a shared machine a neighbour descheduling one of torch's threads
+    # stalls every parallel region at its barrier, and the chunked loop's ~1,000 small regions
+    # then measured 5-30x slower than one thread, swinging run to run. 0: torch's own count.
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads; 0 keeps torch's default")
     parser.add_argument("--json", type=Path, default=None, help="write the record here")
     return parser.parse_args(argv)
 

@@ -29,7 +29,8 @@ def threads_record() -> dict:
 
 def machine_state() -> dict:
     """Load average, /proc/meminfo's memory and page-cache figures (bytes), and the transparent huge
-    page mode: a fresh page costs ~1.6 us to fault in here with 4 KiB pages (bench/bench_dequant.py)."""
+    page mode: a fresh page costs ~1.6 us to fault in here with 4 KiB pages (bench/bench_dequant.py's
+    ``fresh pages`` rows)."""
     meminfo = {}
     for line in Path("/proc/meminfo").read_text().splitlines():
         key, _, value = line.partition(":")

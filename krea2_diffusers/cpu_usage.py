@@ -5,8 +5,8 @@ On a shared machine wall time depends on the neighbours; CPU time much less: use
 near the thread count means every thread computed, well below it that they waited (descheduled, or
 idle between parallel regions). System time and minor faults are the kernel handing out fresh
 pages: a layer that allocates its dequantized weight anew at every call spends as much there as on
-the arithmetic (bench/bench_dequant.py). One :class:`Usage` is a snapshot; subtracting two gives
-the interval's.
+the arithmetic (bench/bench_dequant.py's user and system seconds per call). One :class:`Usage` is
+a snapshot; subtracting two gives the interval's.
 
 :class:`SplitTimer` adds intervals up under names (a training step's data / forward / backward /
 optimizer); ``finetune``'s trainer and ``bench/full_size.py`` use it.

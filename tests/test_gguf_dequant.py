@@ -113,3 +113,24 @@ def test_quantizer_rejects_bad_input():
     bad[0, 3] = np.nan
     with pytest.raises(ValueError, match="NaN"):
         quantize(bad, Q.Q6_K)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_bench_dequant_comparisons_decode_the_reference(qtype):
+    """bench/bench_dequant.py's "before" and "comfy-style" dequantizers are only a fair comparison
+    if they decode the same blocks: in float32 every product is exact, so they equal gguf-py's
+    values; in bf16 each stays within bf16's rounding of them."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from bench_dequant import before_dequantize, comfy_style_dequantize
+
+    block_size, _ = GGML_QUANT_SIZES[qtype]
+    raw = random_blocks(qtype, 4 * 512 // block_size, seed=11).reshape(4, -1)
+    expected = torch.from_numpy(gguf_quants.dequantize(raw, qtype))
+    for fn in (before_dequantize, comfy_style_dequantize):
+        assert torch.equal(fn(torch.from_numpy(raw), qtype, (4, 512), torch.float32), expected), fn.__name__
+        half = fn(torch.from_numpy(raw), qtype, (4, 512), torch.bfloat16)
+        assert half.dtype == torch.bfloat16
+        assert float((half.float() - expected).abs().max() / expected.abs().max()) < 2e-2, fn.__name__

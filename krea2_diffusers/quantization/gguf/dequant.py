@@ -7,7 +7,8 @@ output dtype: a bf16 weight is the reference's float32 weight rounded to bf16. T
 computed in bf16 (scales rounded to bf16, then each product and difference rounded again): 42% of
 Q4_K's bf16 weights differed from the once-rounded value, by up to 1.2% of the largest weight.
 
-Cost on the CPU (``bench/bench_dequant.py``): the blocks are expanded a chunk of ~``CHUNK_VALUES``
+Cost on the CPU (``bench/bench_dequant.py``: ``ours`` against ``before``, the code this replaced,
+with each call's system time and page faults): the blocks are expanded a chunk of ~``CHUNK_VALUES``
 values at a time into one reused float32 scratch buffer, written straight into the output. Whole-
 matrix temporaries (the nibbles, their float copy, the scaled and the shifted values: ~8 bytes a
 weight) were fresh memory at every call, and the kernel faulting those pages in (~200,000 faults
@@ -40,8 +41,8 @@ NIBBLE = 0x0F
 SIX_BITS = 0x3F
 # Values expanded per pass on the CPU: a 1 MiB float32 scratch buffer (and ~0.1 MiB of uint8
 # temporaries), small enough to stay in the cores' caches between the passes of a chunk; larger
-# chunks measured no faster (bench/bench_dequant.py), and the loop's overhead is ~400 chunks of a
-# 100M-value matrix. Off the CPU one chunk is the whole tensor.
+# chunks measured no faster (bench/bench_dequant.py --chunk-sweep, one thread), and the loop's
+# overhead is ~400 chunks of a 100M-value matrix. Off the CPU one chunk is the whole tensor.
 CHUNK_VALUES = 1 << 18
 
 

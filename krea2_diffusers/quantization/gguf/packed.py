@@ -13,8 +13,9 @@ the accelerator, not the CPU, does the expansion.
 The matmul is :func:`..chunked_linear.chunked_linear`'s, as fp8's: on the CPU the weight is
 expanded a few MiB of output rows at a time into memory the allocator reuses. Expanded whole, each
 call's matrix was fresh memory (0.19 GiB in bf16 for a 16384 x 6144 MLP matrix), and faulting
-its pages in cost more than the dequantization itself (bench/bench_dequant.py). Backward
-re-expands the packed rows instead of keeping the expanded weight for it.
+its pages in cost more than the dequantization itself (bench/bench_dequant.py: its ``fresh pages``
+rows, and PackedLinear's forward against the matmul alone). Backward re-expands the packed rows
+instead of keeping the expanded weight for it.
 """
 
 from __future__ import annotations
