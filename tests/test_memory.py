@@ -62,8 +62,15 @@ def test_gguf_transformer_is_not_quantized_again():
 
 
 @pytest.fixture(scope="module")
-def prompt_embeds(tiny_pipe):
-    embeds, mask = tiny_pipe.encode_prompt(["a red cube", ""], device=CPU)
+def base_pipe():
+    """This module's own untouched pipeline for the references: the session's tiny_pipe is shared with
+    every other test file in the worker, and the comparisons below are exact."""
+    return fresh_pipe()
+
+
+@pytest.fixture(scope="module")
+def prompt_embeds(base_pipe):
+    embeds, mask = base_pipe.encode_prompt(["a red cube", ""], device=CPU)
     return embeds, mask
 
 
@@ -86,8 +93,8 @@ def generate_here(pipe, prompt_embeds):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_pipe, prompt_embeds):
-    return generate(tiny_pipe, prompt_embeds)
+def reference(base_pipe, prompt_embeds):
+    return generate(base_pipe, prompt_embeds)
 
 
 def fresh_pipe():
