@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -171,6 +172,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@contextlib.contextmanager
+def running_app(args: list[str], cwd: Path, log: Path, env: dict):
+    """``python app.py ARGS`` started in ``cwd`` as a user starts it, output to ``log``; yields once Gradio
+    says it serves, terminates it afterwards."""
+    with open(log, "w") as out:
+        server = subprocess.Popen([sys.executable, str(ROOT / "app.py"), *args], cwd=cwd, stdout=out,
+                                  stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 180
+        while "Running on local URL" not in log.read_text():
+            assert server.poll() is None, f"app.py exited:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"app.py did not start:\n{log.read_text()}"
+            time.sleep(0.3)
+        yield
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
+
+
 @pytest.fixture(scope="session")
 def app_server(tmp_path_factory):
     """``python app.py --model tiny-random --runs-dir RUNS --train-gpu-memory 16``, as a user starts it:
@@ -178,18 +198,6 @@ def app_server(tmp_path_factory):
     port = free_port()
     folder = tmp_path_factory.mktemp("app")
     log, runs = folder / "app.log", folder / "runs"
-    with open(log, "w") as out:
-        server = subprocess.Popen([sys.executable, "app.py", "--model", "tiny-random", "--port", str(port), "--runs-dir",
-                                   str(runs), "--train-gpu-memory", str(APP_CARD_GIB)], cwd=ROOT,
-                                  stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **OFFLINE})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while "Running on local URL" not in log.read_text():
-            assert server.poll() is None, f"app.py exited:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"app.py did not start:\n{log.read_text()}"
-            time.sleep(0.3)
-        yield SimpleNamespace(url=url, runs=runs, log=log)
-    finally:
-        server.terminate()
-        server.wait(timeout=120)
+    with running_app(["--model", "tiny-random", "--port", str(port), "--runs-dir", str(runs), "--train-gpu-memory",
+                      str(APP_CARD_GIB)], ROOT, log, {**os.environ, **OFFLINE}):
+        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", runs=runs, log=log)

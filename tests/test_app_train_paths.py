@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -23,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import OFFLINE, ROOT, free_port
+from conftest import OFFLINE, free_port, running_app
 from test_app_train import make_images
 
 RUN_TIMEOUT_S = 600  # a busy 2-core machine: the krea2 train subprocess takes ~10-60 s
@@ -38,21 +36,10 @@ def site(tmp_path):
     save_random_original_file(tmp_path / "models" / "raw.safetensors", tiny_transformer_config())
     port, log = free_port(), tmp_path / "app.log"
     env = {k: v for k, v in {**os.environ, **OFFLINE}.items() if k != "GRADIO_TEMP_DIR"}
-    with open(log, "w") as out:
-        server = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--model", "tiny-random", "--raw-model",
-                                   "models/raw.safetensors", "--text-encoder", "tiny-random", "--vae", "tiny-random",
-                                   "--runs-dir", "runs", "--port", str(port), "--train-gpu-memory", "16"],
-                                  cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 180
-        while "Running on local URL" not in log.read_text():
-            assert server.poll() is None, f"app.py exited:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"app.py did not start:\n{log.read_text()}"
-            time.sleep(0.3)
+    with running_app(["--model", "tiny-random", "--raw-model", "models/raw.safetensors", "--text-encoder", "tiny-random",
+                      "--vae", "tiny-random", "--runs-dir", "runs", "--port", str(port), "--train-gpu-memory", "16"],
+                     tmp_path, log, env):
         yield tmp_path, log, f"http://127.0.0.1:{port}"
-    finally:
-        server.terminate()
-        server.wait(timeout=120)
 
 
 def test_a_relative_raw_model_trains_from_the_train_tab_with_its_prior_share(site):
