@@ -234,13 +234,15 @@ def test_dedup_shards_merges_resumes_after_kill_and_is_idempotent(server, tmp_pa
     assert all(r["status"] == "kept" for dsn in (shard_a, shard_b) for r in query(dsn, "SELECT status FROM images"))
 
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "curation", "dedup-shards", "--dsn", shard_a, "--dsn", shard_b, "--batch", "4"]
+    # One pair per committed batch: 30 commits, so the kill lands mid-run (with 4 per batch the 8 commits
+    # could all land between one poll and the kill: seen once in CI as count() == 30).
+    command = [sys.executable, "-m", "curation", "dedup-shards", "--dsn", shard_a, "--dsn", shard_b, "--batch", "1"]
     run = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     dropped = "SELECT count(*) AS n FROM images WHERE drop_job = 'dedup-shards'"
     deadline = time.monotonic() + 60
     count = lambda: query(shard_a, dropped)[0]["n"] + query(shard_b, dropped)[0]["n"]  # noqa: E731
     while run.poll() is None and time.monotonic() < deadline and not count():
-        time.sleep(0.01)
+        time.sleep(0.002)
     assert run.poll() is None, "dedup-shards finished before it could be killed"
     os.kill(run.pid, signal.SIGKILL)
     run.wait()

@@ -4,9 +4,10 @@ as a regularization dataset (``is_regularization``: prior preservation), so that
 trigger keep giving black ink while the LoRA is loaded.
 
 And the same concept as a user trains it (issue 39, :func:`user_lora_config`): a config that sets the
-data (the folder, the trigger word in its captions, caption dropout, the model's resolution), the
-steps, the learning rate and the rank, every other key at the trainer's default (batch 1, its
-scheduler, the default LoRA targets, no regularization set); ``lora_ema`` the same with
+data (the concept folder with the trigger word in its captions, the regularization folder of plain
+scans marked ``is_regularization``, caption dropout, the model's resolution), the steps, the learning
+rate and the rank, every other key at the trainer's default (batch 1, its scheduler, the default LoRA
+targets, the datasets' default weights: half the samples from each, issue 38); ``lora_ema`` the same with
 ``training.ema`` at its defaults. The only other keys are the run's own: its folder, the base, and
 ``training.seed`` (every run's data order and noise follow ``--seed``)."""
 
@@ -36,6 +37,11 @@ class LoraSpec:
     seed: int = 0
     concept_caption_dropout: float = 0.0
     """Share of concept images trained with an empty caption (the concept set's ``caption_dropout``)."""
+    checkpoint_every: int | None = None
+    """Keep a checkpoint every N steps (None: only the last)."""
+    report: bool = False
+    """Validate at every checkpoint with the checkpoint report's metrics on (``report.json``, issue 41):
+    one prompt per digit with the trigger, two seeds each, the ``pixels`` encoder (red ink is colour)."""
 
 
 @dataclass
@@ -59,8 +65,8 @@ class LoraResult:
 
 def lora_config(spec: LoraSpec, base_dir: Path, concept: Path, regular: Path, run_dir: Path, resolution: int) -> dict:
     """The ``krea2 train`` YAML mapping of the concept LoRA (also adapts the text fusion, which must
-    learn the trigger word, and the in/out projections of this narrow model)."""
-    return {
+    learn the trigger word, and the in/out projections of this narrow model); with ``spec.report`` it validates with the checkpoint report on."""
+    config = {
         "output_dir": str(run_dir),
         "model": {"pretrained_model_name_or_path": str(base_dir), "max_sequence_length": 32},
         "data": {"datasets": [{"path": str(concept), "caption_dropout": spec.concept_caption_dropout},
@@ -71,10 +77,18 @@ def lora_config(spec: LoraSpec, base_dir: Path, concept: Path, regular: Path, ru
                  "extra_modules": ["img_in", "final_layer.linear"]},
         "optimizer": {"learning_rate": spec.learning_rate},
         "lr_scheduler": {"name": "wsd", "warmup_steps": min(20, spec.steps // 10), "decay_fraction": 0.3},
-        "checkpointing": {"every_n_steps": spec.steps, "keep_last": 1},
+        "checkpointing": {"every_n_steps": spec.checkpoint_every or spec.steps,
+                          "keep_last": spec.steps // (spec.checkpoint_every or spec.steps)},
         "export": {"formats": ["diffusers"], "trigger_words": [TRIGGER]},
         "logging": {"progress_bar": False, "tensorboard": False},
     }
+    if spec.report:
+        every = spec.checkpoint_every or spec.steps
+        config["validation"] = {"every_n_steps": every, "prompts": [caption(d, TRIGGER) for d in range(10)],
+                                "num_inference_steps": 16, "guidance_scale": 3.0, "height": resolution,
+                                "width": resolution, "seed": spec.seed, "metrics": True, "seeds_per_prompt": 2,
+                                "encoder": "pixels"}
+    return config
 
 
 def run_lora(spec: LoraSpec, splits, base_dir: Path, work_dir: Path, out_file: Path, device: str = "cpu",
@@ -103,14 +117,15 @@ def run_lora(spec: LoraSpec, splits, base_dir: Path, work_dir: Path, out_file: P
     return LoraResult(out_file, spec.steps, seconds)
 
 
-def user_lora_config(spec: UserLoraSpec, base_dir: Path, folder: Path, run_dir: Path, resolution: int, seed: int,
-                     ema: bool = False) -> dict:
+def user_lora_config(spec: UserLoraSpec, base_dir: Path, folder: Path, regular: Path, run_dir: Path, resolution: int,
+                     seed: int, ema: bool = False) -> dict:
     """The ``krea2 train`` YAML mapping a user writes for the concept (see the module docstring);
     ``ema``: ``training.ema`` enabled with every key at its default."""
     config = {
         "output_dir": str(run_dir),
         "model": {"pretrained_model_name_or_path": str(base_dir)},
-        "data": {"path": str(folder), "caption_dropout": spec.caption_dropout, "resolution": resolution},
+        "data": {"datasets": [{"path": str(folder)}, {"path": str(regular), "is_regularization": True}],
+                 "caption_dropout": spec.caption_dropout, "resolution": resolution},
         "training": {"max_steps": spec.steps, "seed": seed},
         "lora": {"rank": spec.rank},
         "optimizer": {"learning_rate": spec.learning_rate},
@@ -129,7 +144,7 @@ def concept_draw(splits, images: int, seed: int) -> tuple[np.ndarray, np.ndarray
 
 def run_user_lora(spec: UserLoraSpec, splits, base_dir: Path, work_dir: Path, out_file: Path, seed: int, ema: bool,
                   device: str = "cpu", log: Path | None = None) -> LoraResult:
-    """Write the concept folder (red ink, trigger in every caption), run ``krea2 train`` on
+    """Write the concept folder (red ink, trigger in every caption) and the regularization folder, run ``krea2 train`` on
     :func:`user_lora_config` and copy its diffusers LoRA to ``out_file``."""
     import shutil
 
@@ -138,15 +153,17 @@ def run_user_lora(spec: UserLoraSpec, splits, base_dir: Path, work_dir: Path, ou
     work_dir, out_file = Path(work_dir), Path(out_file)
     if out_file.exists():
         raise FileExistsError(f"{out_file} already exists; the bench never overwrites a LoRA")
-    red, _ = concept_draw(splits, spec.images, seed)
-    folder = work_dir / "concept"
+    red, black = concept_draw(splits, spec.images, seed)
+    folder, regular = work_dir / "concept", work_dir / "regular"
     if not folder.is_dir():
         write_folder(folder, render(splits.train_scans[red], splits.resolution, RED_INK),
                      [caption(d, TRIGGER) for d in splits.train_labels[red]])
+    if not regular.is_dir():
+        write_folder(regular, splits.train[black], [caption(d) for d in splits.train_labels[black]])
     run_dir = work_dir / "run"
     config_path = work_dir / "lora.yaml"
     with atomic_write(config_path, "w") as handle:
-        handle.write(yaml.safe_dump(user_lora_config(spec, base_dir, folder, run_dir, splits.resolution, seed, ema),
+        handle.write(yaml.safe_dump(user_lora_config(spec, base_dir, folder, regular, run_dir, splits.resolution, seed, ema),
                                     sort_keys=False))
     start = time.perf_counter()
     krea2("train", str(config_path), device=device, log=log)
