@@ -11,15 +11,13 @@ larger (gate: :data:`IOU_RATIO` x).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 from .digits import INK_DARKNESS, RED_INK, render
-from .pretraining import krea2
+from .lora import train_and_copy
 
 INSTRUCTION = "make the ink red"
 IOU_RATIO = 1.5
@@ -74,26 +72,14 @@ def train_edit_lora(spec: EditSpec, splits, base_dir: Path, work_dir: Path, out_
                     device: str = "cpu", log: Path | None = None) -> tuple[Path, float]:
     """Pairs from ``spec.pairs`` training scans (drawn with ``seed``), ``krea2 train``, the LoRA copied to
     ``out_file``. Returns (file, seconds)."""
-    import shutil
-
-    from krea2_diffusers.files import atomic_path, atomic_write
-
-    work_dir, out_file = Path(work_dir), Path(out_file)
+    work_dir = Path(work_dir)
     pick = np.random.default_rng(seed).choice(len(splits.train_scans), min(spec.pairs, len(splits.train_scans)), replace=False)
     pairs = work_dir / "pairs"
     if not (pairs / "targets").is_dir():
         write_pairs(pairs, splits.train_scans[pick], splits.resolution)
-    run_dir = work_dir / "run"
-    config_path = work_dir / "edit.yaml"
-    with atomic_write(config_path, "w") as handle:
-        handle.write(yaml.safe_dump(edit_config(spec, base_dir, pairs, run_dir, splits.resolution, seed), sort_keys=False))
-    start = time.perf_counter()
-    krea2("train", str(config_path), device=device, log=log)
-    seconds = time.perf_counter() - start
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out_file) as tmp:
-        shutil.copyfile(run_dir / "lora_diffusers.safetensors", tmp)
-    return out_file, seconds
+    config = edit_config(spec, base_dir, pairs, work_dir / "run", splits.resolution, seed)
+    result = train_and_copy(config, work_dir, out_file, spec.steps, device, log, config_name="edit.yaml")
+    return result.lora_file, result.seconds
 
 
 def heldout_sources(splits, per_digit: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -65,7 +65,9 @@ class LoraResult:
 
 def lora_config(spec: LoraSpec, base_dir: Path, concept: Path, regular: Path, run_dir: Path, resolution: int) -> dict:
     """The ``krea2 train`` YAML mapping of the concept LoRA (also adapts the text fusion, which must
-    learn the trigger word, and the in/out projections of this narrow model); with ``spec.report`` it validates with the checkpoint report on."""
+    learn the trigger word, and the in/out projections of this narrow model); with ``spec.report`` it
+    validates at every checkpoint with the checkpoint report on."""
+    every = spec.checkpoint_every or spec.steps
     config = {
         "output_dir": str(run_dir),
         "model": {"pretrained_model_name_or_path": str(base_dir), "max_sequence_length": 32},
@@ -77,13 +79,11 @@ def lora_config(spec: LoraSpec, base_dir: Path, concept: Path, regular: Path, ru
                  "extra_modules": ["img_in", "final_layer.linear"]},
         "optimizer": {"learning_rate": spec.learning_rate},
         "lr_scheduler": {"name": "wsd", "warmup_steps": min(20, spec.steps // 10), "decay_fraction": 0.3},
-        "checkpointing": {"every_n_steps": spec.checkpoint_every or spec.steps,
-                          "keep_last": spec.steps // (spec.checkpoint_every or spec.steps)},
+        "checkpointing": {"every_n_steps": every, "keep_last": spec.steps // every},
         "export": {"formats": ["diffusers"], "trigger_words": [TRIGGER]},
         "logging": {"progress_bar": False, "tensorboard": False},
     }
     if spec.report:
-        every = spec.checkpoint_every or spec.steps
         config["validation"] = {"every_n_steps": every, "prompts": [caption(d, TRIGGER) for d in range(10)],
                                 "num_inference_steps": 16, "guidance_scale": 3.0, "height": resolution,
                                 "width": resolution, "seed": spec.seed, "metrics": True, "seeds_per_prompt": 2,
@@ -94,27 +94,48 @@ def lora_config(spec: LoraSpec, base_dir: Path, concept: Path, regular: Path, ru
 def run_lora(spec: LoraSpec, splits, base_dir: Path, work_dir: Path, out_file: Path, device: str = "cpu",
              log: Path | None = None) -> LoraResult:
     """Write the concept and regularization sets, run ``krea2 train`` and copy its LoRA to ``out_file``."""
+    check_new(out_file)
+    concept, regular = write_sets(splits, spec.images, spec.seed, work_dir)
+    config = lora_config(spec, base_dir, concept, regular, Path(work_dir) / "run", splits.resolution)
+    return train_and_copy(config, work_dir, out_file, spec.steps, device, log)
+
+
+def check_new(out_file: Path) -> None:
+    if Path(out_file).exists():
+        raise FileExistsError(f"{out_file} already exists; the bench never overwrites a LoRA")
+
+
+def write_sets(splits, images: int, seed: int, work_dir: Path) -> tuple[Path, Path]:
+    """``work_dir/concept`` (red ink, the trigger in every caption) and ``work_dir/regular`` (plain black
+    scans, plain captions) from :func:`concept_draw`; a folder already there (a resumed run) is kept."""
+    red, black = concept_draw(splits, images, seed)
+    concept, regular = Path(work_dir) / "concept", Path(work_dir) / "regular"
+    if not concept.is_dir():
+        write_folder(concept, render(splits.train_scans[red], splits.resolution, RED_INK),
+                     [caption(d, TRIGGER) for d in splits.train_labels[red]])
+    if not regular.is_dir():
+        write_folder(regular, splits.train[black], [caption(d) for d in splits.train_labels[black]])
+    return concept, regular
+
+
+def train_and_copy(config: dict, work_dir: Path, out_file: Path, steps: int, device: str, log: Path | None,
+                   config_name: str = "lora.yaml") -> LoraResult:
+    """Write ``config`` to ``work_dir/config_name``, run ``krea2 train`` on it and copy the run's diffusers
+    LoRA (``config["output_dir"]``) to ``out_file``. Every LoRA of the bench (concept, user, edit) trains here."""
     import shutil
 
     from krea2_diffusers.files import atomic_path, atomic_write
 
-    work_dir, out_file = Path(work_dir), Path(out_file)
-    if out_file.exists():
-        raise FileExistsError(f"{out_file} already exists; the bench never overwrites a LoRA")
-    red, black = concept_draw(splits, spec.images, spec.seed)
-    concept = write_folder(work_dir / "concept", render(splits.train_scans[red], splits.resolution, RED_INK),
-                           [caption(d, TRIGGER) for d in splits.train_labels[red]])
-    regular = write_folder(work_dir / "regular", splits.train[black], [caption(d) for d in splits.train_labels[black]])
-    run_dir = work_dir / "run"
-    config_path = work_dir / "lora.yaml"
+    config_path = Path(work_dir) / config_name
     with atomic_write(config_path, "w") as handle:
-        handle.write(yaml.safe_dump(lora_config(spec, base_dir, concept, regular, run_dir, splits.resolution), sort_keys=False))
+        handle.write(yaml.safe_dump(config, sort_keys=False))
     start = time.perf_counter()
     krea2("train", str(config_path), device=device, log=log)
     seconds = time.perf_counter() - start
-    with atomic_path(out_file) as tmp:
-        shutil.copyfile(run_dir / "lora_diffusers.safetensors", tmp)
-    return LoraResult(out_file, spec.steps, seconds)
+    Path(out_file).parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(Path(out_file)) as tmp:
+        shutil.copyfile(Path(config["output_dir"]) / "lora_diffusers.safetensors", tmp)
+    return LoraResult(Path(out_file), steps, seconds)
 
 
 def user_lora_config(spec: UserLoraSpec, base_dir: Path, folder: Path, regular: Path, run_dir: Path, resolution: int,
@@ -144,31 +165,9 @@ def concept_draw(splits, images: int, seed: int) -> tuple[np.ndarray, np.ndarray
 
 def run_user_lora(spec: UserLoraSpec, splits, base_dir: Path, work_dir: Path, out_file: Path, seed: int, ema: bool,
                   device: str = "cpu", log: Path | None = None) -> LoraResult:
-    """Write the concept folder (red ink, trigger in every caption) and the regularization folder, run ``krea2 train`` on
-    :func:`user_lora_config` and copy its diffusers LoRA to ``out_file``."""
-    import shutil
-
-    from krea2_diffusers.files import atomic_path, atomic_write
-
-    work_dir, out_file = Path(work_dir), Path(out_file)
-    if out_file.exists():
-        raise FileExistsError(f"{out_file} already exists; the bench never overwrites a LoRA")
-    red, black = concept_draw(splits, spec.images, seed)
-    folder, regular = work_dir / "concept", work_dir / "regular"
-    if not folder.is_dir():
-        write_folder(folder, render(splits.train_scans[red], splits.resolution, RED_INK),
-                     [caption(d, TRIGGER) for d in splits.train_labels[red]])
-    if not regular.is_dir():
-        write_folder(regular, splits.train[black], [caption(d) for d in splits.train_labels[black]])
-    run_dir = work_dir / "run"
-    config_path = work_dir / "lora.yaml"
-    with atomic_write(config_path, "w") as handle:
-        handle.write(yaml.safe_dump(user_lora_config(spec, base_dir, folder, regular, run_dir, splits.resolution, seed, ema),
-                                    sort_keys=False))
-    start = time.perf_counter()
-    krea2("train", str(config_path), device=device, log=log)
-    seconds = time.perf_counter() - start
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out_file) as tmp:
-        shutil.copyfile(run_dir / "lora_diffusers.safetensors", tmp)
-    return LoraResult(out_file, spec.steps, seconds)
+    """Write the concept and regularization folders, run ``krea2 train`` on :func:`user_lora_config`
+    and copy its diffusers LoRA to ``out_file``."""
+    check_new(out_file)
+    folder, regular = write_sets(splits, spec.images, seed, work_dir)
+    config = user_lora_config(spec, base_dir, folder, regular, Path(work_dir) / "run", splits.resolution, seed, ema)
+    return train_and_copy(config, work_dir, out_file, spec.steps, device, log)
