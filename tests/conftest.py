@@ -11,8 +11,15 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
-import torch
+# Two test workers share the machine's two cores: each runs one intra-op thread, and so do the processes
+# they start (they inherit it). With torch's default (one thread per core in each worker) the tiny models'
+# tests spin against each other: twelve of their files took 113 s of CPU that way and 69 s single-threaded
+# (-n 2, 2-core machine). Set before torch is imported. The thread policy's tests set their own
+# (test_cpu_threads) and the README commands run without it (test_examples), as a user runs them.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from krea2_diffusers import Krea2Pipeline, Krea2Transformer2DModel
 from krea2_diffusers.models.tiny import randomize_

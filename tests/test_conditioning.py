@@ -18,6 +18,15 @@ def test_real_tokenizer_template_counts():
     assert tok(SYSTEM_PREFIX).input_ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
 
 
+def test_the_tokenizer_is_parsed_once_per_process_and_each_caller_keeps_its_own_settings():
+    first, second = qwen_tokenizer(), qwen_tokenizer()
+    assert first is not second and first.backend_tokenizer is second.backend_tokenizer  # one parse
+    first.padding_side = "left"
+    assert second.padding_side == "right"
+    left, right = (tok(["hi", "hello there world"], padding=True).input_ids[0] for tok in (first, second))
+    assert left[0] == right[-1] == first.pad_token_id and left[-1] == right[0] != first.pad_token_id
+
+
 def test_layout_pads_between_prompt_and_suffix():
     tok = qwen_tokenizer()
     ids, mask, prefix = tokenize_prompts(tok, ["a much longer prompt than the other one", "hi"])

@@ -6,6 +6,8 @@ The fast tokenizer is derived once (a few seconds) and cached as ``tokenizer.jso
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import os
 from pathlib import Path
@@ -40,9 +42,13 @@ def _ranks_file() -> Path:
 
 
 def qwen_tokenizer():
-    """A ``PreTrainedTokenizerFast`` equal to Qwen3-VL's tokenizer for text (pad = ``<|endoftext|>``)."""
-    from transformers import PreTrainedTokenizerFast
+    """A ``PreTrainedTokenizerFast`` equal to Qwen3-VL's tokenizer for text (pad = ``<|endoftext|>``).
 
+    Each call returns its own wrapper (attributes such as ``padding_side`` stay per caller) around one
+    parsed tokenizer per process: parsing ``tokenizer.json`` (151k merges) costs ~0.5 s of CPU, and a
+    process that builds several pipelines (ComfyUI, the app, the test suite: ~250 parses) paid it each time.
+    The shared Rust tokenizer is never changed by this package (each encode sets its own padding and truncation).
+    """
     ranks = _ranks_file()
     key = hashlib.sha256(ranks.read_bytes() + QWEN_SPLIT_PATTERN.encode() + "".join(QWEN_SPECIAL_TOKENS).encode())
     folder = cache_dir() / f"qwen-tokenizer-{key.hexdigest()[:16]}"
@@ -55,8 +61,15 @@ def qwen_tokenizer():
         backend = converter.converted()
         with atomic_write_dir(folder) as tmp:
             backend.save(str(tmp / "tokenizer.json"))
+    return copy.copy(_parsed(str(folder / "tokenizer.json")))
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed(tokenizer_file: str):
+    from transformers import PreTrainedTokenizerFast
+
     tok = PreTrainedTokenizerFast(
-        tokenizer_file=str(folder / "tokenizer.json"),
+        tokenizer_file=tokenizer_file,
         pad_token="<|endoftext|>",
         eos_token="<|im_end|>",
         model_max_length=131072,
