@@ -37,16 +37,38 @@ os.environ.setdefault("KREA2_CPU_BF16", "0")
 # now restored after each test by restore_tiny_pipe; the ComfyUI server's loader defaults, which
 # test_comfyui_references no longer shadows) were fixed. Order only: nothing is skipped.
 SLOW_FIRST = (
-    "test_proving_ground.py", "test_finetune_scale.py", "test_finetune_distributed.py", "test_posttrain_distill.py",
-    "test_posttrain_scale.py", "test_examples.py", "test_posttrain_dpo.py", "test_finetune_pairs.py",
-    "test_posttrain_distributed.py", "test_pretrain_distributed.py", "test_app_train.py", "test_chunked_linear.py",
+    "test_proving_ground.py", "test_app_train.py", "test_finetune_scale.py", "test_finetune_distributed.py",
+    "test_posttrain_distill.py", "test_posttrain_scale.py", "test_examples.py", "test_posttrain_dpo.py",
+    "test_finetune_pairs.py", "test_posttrain_distributed.py", "test_pretrain_distributed.py", "test_chunked_linear.py",
     "test_compiled_blocks.py",
 )
+# Files whose tests use the session's servers (the demo app's ``app_server``, ComfyUI's ``comfyui``): one
+# unit of work for pytest-xdist, so each server starts once in one worker (13-17 s of CPU a start) instead
+# of once in each. Their unit is scheduled where its first file comes (test_app_train.py, above).
+SERVER_FILES = frozenset({
+    "test_app.py", "test_app_train.py", "test_speed_knobs.py", "test_comfyui_references.py", "test_comfyui_server.py",
+    "test_finetune_lora_bases.py", "test_finetune_lycoris.py",
+})
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: file order kept otherwise
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with the :data:`SERVER_FILES` as one unit (xdist's scheduler hook; its
+    LoadScopeScheduling documents ``_split_scope`` as the method a subclass overrides)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ServersTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "servers" if Path(path).name in SERVER_FILES else path
+
+    return ServersTogether(config, log)
 
 
 def small_config(**overrides) -> dict:
