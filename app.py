@@ -170,7 +170,9 @@ class Demo:
             "variant": request.variant,
         }
         if self.trained_lora is not None:
-            settings["loras"] = [{"path": self.trained_lora, "strength": 1.0}]
+            # "file", not "path": gradio reads a {"path": ...} dict in a JSON output as a file to serve (its server
+            # copied the LoRA into its cache and its client downloaded it, dropping the strength).
+            settings["loras"] = [{"file": self.trained_lora, "strength": 1.0}]
         if request.creativity != "raw":
             settings.update(creativity=request.creativity, expanded_prompt=expanded)
         if request.style_images:

@@ -112,7 +112,7 @@ def test_a_trained_lora_used_in_generate_changes_the_image_and_is_recorded(demo,
     assert list(demo.pipeline("RAW").transformer.peft_config) == [Demo.TRAINED_ADAPTER]
     images = [np.asarray(r.image) for r in (plain, first, second)]
     assert not np.array_equal(images[0], images[1]) and not np.array_equal(images[1], images[2])
-    assert read_settings(second.png_path)["loras"] == [{"path": str(tmp_path / "second.safetensors"), "strength": 1.0}]
+    assert read_settings(second.png_path)["loras"] == [{"file": str(tmp_path / "second.safetensors"), "strength": 1.0}]
 
 
 @pytest.mark.parametrize("change, message", [

@@ -26,6 +26,9 @@ import torch
 from PIL import Image
 
 from conftest import CHROMIUM, CHROMIUM_ARGS
+from krea2_diffusers.limits import TEST_SIZE_PRESETS
+
+APP_SIZE = next(iter(TEST_SIZE_PRESETS))  # the app's smallest size (64 px)
 
 STEPS = 20
 SAMPLE_EVERY = 5
@@ -267,7 +270,16 @@ def test_browser_captions_plans_trains_stops_resumes_and_uses_the_lora(app_serve
     from krea2_diffusers.metadata import read_settings
 
     run = app_server.runs / run_id
-    assert read_settings(tmp_path / "shown.png")["loras"] == [{"path": str(run / "lora_diffusers.safetensors"), "strength": 1.0}]
+    in_use = [{"file": str(run / "lora_diffusers.safetensors"), "strength": 1.0}]
+    assert read_settings(tmp_path / "shown.png")["loras"] == in_use
+    # The API returns the same settings as the PNG carries (a {"path": ...} entry was taken by gradio for a
+    # file: its server copied the LoRA into its cache and the client downloaded it, without the strength).
+    from gradio_client import Client
+
+    api = Client(app_server.url, verbose=False, download_files=str(tmp_path / "downloads"))
+    _, png, settings, _, _ = api.predict("acme, a picture", size=APP_SIZE, seed=5, randomize_seed=False, steps=2,
+                                         api_name="/generate")
+    assert settings["loras"] == in_use and read_settings(png) == settings
     # One run, continued: metrics.jsonl holds steps 1..20 once each (the resume continues from the stop).
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
