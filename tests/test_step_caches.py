@@ -106,12 +106,12 @@ def test_caches_that_cannot_apply_are_refused_with_the_reason(pipe, config):
 def test_cache_presets():
     """The documented presets: RAW's and Turbo's values, the threshold override, refusals."""
     assert cache_preset("fbcache", num_inference_steps=28) == FirstBlockCacheConfig(threshold=0.08)
-    assert cache_preset("fbcache", num_inference_steps=8, distilled=True).threshold == 0.05
+    assert cache_preset("fbcache", num_inference_steps=8, distilled=True).threshold == 0.08
     assert cache_preset("fbcache", num_inference_steps=28, threshold=0.2).threshold == 0.2
     taylor = cache_preset("taylorseer", num_inference_steps=28)
     assert isinstance(taylor, TaylorSeerCacheConfig) and taylor.cache_interval == 3
     assert taylor.cache_identifiers == [r"^final_layer$"] and taylor.disable_cache_after_step == 27
-    assert cache_preset("taylorseer", num_inference_steps=8, distilled=True).cache_interval == 2
+    assert cache_preset("taylorseer", num_inference_steps=8, distilled=True).cache_interval == 3
     mag = cache_preset("magcache", num_inference_steps=28)
     assert isinstance(mag, MagCacheConfig) and mag.threshold == 0.06 and len(mag.mag_ratios) == 28
     assert len(cache_preset("magcache", num_inference_steps=8, distilled=True, mag_ratios=[1.0, 0.9, 0.8]).mag_ratios) == 8
