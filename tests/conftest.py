@@ -56,6 +56,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: file order kept otherwise
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a plain pytest run without xdist ignores it
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadfile`` with the :data:`SERVER_FILES` as one unit (xdist's scheduler hook; its
     LoadScopeScheduling documents ``_split_scope`` as the method a subclass overrides)."""
