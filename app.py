@@ -42,7 +42,7 @@ from krea2_diffusers.limits import (
     Request, check,
 )
 from krea2_diffusers.pipelines.memory import MEMORY_PRESETS, apply_memory_preset
-from krea2_diffusers.metadata import save_png
+from krea2_diffusers.metadata import lora_entries, save_png
 from krea2_diffusers.caching.apply import step_cache
 from krea2_diffusers.presets import CACHE_METHODS, looks_distilled, preset_for
 from krea2_diffusers.models.tiny import is_tiny
@@ -170,9 +170,7 @@ class Demo:
             "variant": request.variant,
         }
         if self.trained_lora is not None:
-            # "file", not "path": gradio reads a {"path": ...} dict in a JSON output as a file to serve (its server
-            # copied the LoRA into its cache and its client downloaded it, dropping the strength).
-            settings["loras"] = [{"file": self.trained_lora, "strength": 1.0}]
+            settings["loras"] = lora_entries([(self.trained_lora, 1.0)])
         if request.creativity != "raw":
             settings.update(creativity=request.creativity, expanded_prompt=expanded)
         if request.style_images:

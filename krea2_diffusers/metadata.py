@@ -14,6 +14,14 @@ PARAMETERS_KEY = "parameters"  # A1111-style one-line summary
 SETTINGS_KEY = "krea2"  # JSON of all settings
 
 
+def lora_entries(loras) -> list[dict]:
+    """The ``loras`` setting of an image: ``[(file, strength), ...]`` -> ``[{"file", "strength"}, ...]``.
+
+    "file", not "path": gradio reads a ``{"path": ...}`` dict in a JSON output as a file to serve (the app's
+    server copied the LoRA into its cache and the API client downloaded it, dropping the strength)."""
+    return [{"file": str(file), "strength": float(strength)} for file, strength in loras]
+
+
 def a1111_parameters(settings: dict) -> str:
     """``prompt\\nNegative prompt: ...\\nSteps: 8, CFG scale: 1.0, Seed: 1, Size: 1024x1024, Model: x``.
 

@@ -273,7 +273,9 @@ def run(args) -> int:
             if args.mask:
                 settings["mask"] = str(args.mask)
         if loras:
-            settings["loras"] = [{"file": str(p), "strength": s} for p, s in loras]  # the app's key (app.py: not gradio's "path")
+            from ..metadata import lora_entries
+
+            settings["loras"] = lora_entries(loras)
         if args.cache != "none":
             settings.update(cache=args.cache, cache_threshold=args.cache_threshold)
         if args.guidance_interval is not None:
