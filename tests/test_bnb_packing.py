@@ -99,3 +99,48 @@ def test_int8_training_on_the_cpu_computes_in_row_chunks_as_bitsandbytes_whole_m
         layer.eval()
         torch.testing.assert_close(layer(x.detach().float()), bnb.nn.Linear8bitLt.forward(layer, x.detach().float()),
                                    rtol=0, atol=0)
+
+
+def test_nf4_on_the_cpu_computes_in_row_chunks_as_bitsandbytes_whole_matrix(monkeypatch):
+    """NF4 layers on the CPU expand their weight in output-row chunks (issue 42: bitsandbytes'
+    whole-matrix expansion faulted in ~70 GB of fresh pages per full-size LoRA step). The chunks start
+    on the nested absmax's 256-block boundaries: with 1024 inputs a chunk is a multiple of 16 rows,
+    and with ~3 chunks and a short last one every boundary case is crossed. Every expanded weight is
+    bitsandbytes' own (its dequantization of the whole matrix, bit for bit); the forward and the
+    input gradient equal bitsandbytes' training path (MatMul4Bit) in float32 to the rounding of the
+    split sums; bitsandbytes' whole-matrix path does not run."""
+    from functools import partial
+
+    from bitsandbytes.autograd import _functions as bnb_autograd
+
+    from krea2_diffusers.quantization import bnb_nf4
+
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 72))
+    quantize_linears_(model, "nf4", compute_dtype=torch.float32)
+    layer = model[0].train()
+    state = layer.weight.quant_state
+    assert type(layer).__name__ == "Nf4Linear" and state.nested and bnb_nf4.row_multiple(state, 1024) == 16
+    monkeypatch.setattr(bnb_packing, "CHUNK_WEIGHTS", 1024 * 31)  # 16 rows a chunk: 16, 16, 16, 16, 8
+    from krea2_diffusers.quantization.chunked_linear import row_chunks
+
+    chunks = row_chunks(72, 1024, torch.device("cpu"), 16)
+    assert [c.stop - c.start if c.stop <= 72 else 72 - c.start for c in chunks] == [16, 16, 16, 16, 8]
+    rows = partial(bnb_nf4.nf4_rows, layer.weight.data, state)
+    whole = F.dequantize_4bit(layer.weight.data, state).float()
+    assert torch.equal(torch.cat([rows(c, torch.float32, torch.device("cpu")) for c in chunks]), whole)
+
+    x = torch.randn(3, 5, 1024, requires_grad=True)
+    reference_x = x.detach().clone().requires_grad_(True)
+    reference = bnb.nn.Linear4bit.forward(layer, reference_x)  # bitsandbytes' path, whole matrix
+    grad = torch.randn_like(reference)
+    reference.backward(grad)
+    calls = []
+    monkeypatch.setattr(bnb_autograd.MatMul4Bit, "forward", lambda *a, **k: calls.append(1))
+    out = layer(x)
+    out.backward(grad)
+    assert not calls
+    # float32 sums of 1024 (forward) and 72 (gradient) products, split differently: a few ulps of the sum's scale
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, reference_x.grad, rtol=1e-5, atol=1e-5)
+    assert layer.weight.grad is None

@@ -44,7 +44,7 @@ MAX_STEPS, EVERY, KILL_AT = 12, 4, 7
 KILLED = "nf4"  # the base whose run is a real process killed with SIGKILL (the most state to rebuild)
 # What a quantized layer keeps besides its adapters: never in a checkpoint or an export.
 QUANT_STATE = re.compile(r"weight_scale|absmax|quant_map|quant_state|nested_|SCB|weight_format|\.base_layer\.")
-QUANTIZED_LAYER = {"fp8": "Fp8Linear", "int8": "Int8Linear", "nf4": "Linear4bit"}
+QUANTIZED_LAYER = {"fp8": "Fp8Linear", "int8": "Int8Linear", "nf4": "Nf4Linear"}
 # Resident bytes of the frozen blocks / their float32 bytes (99.4% of them are linear weights).
 RESIDENT_SHARE = {"none": (0.49, 0.51), "fp8": (0.245, 0.27), "int8": (0.245, 0.27), "nf4": (0.12, 0.135)}
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -140,7 +140,7 @@ def thin_file(tmp_path_factory):
 # (the first block's quantization alone adds ~80 MB on its 27 MB; quantization/, not this loader).
 # NF4 is held to the property the plan exists for: never the full-precision model (the file, 342 MB)
 # on top of the baseline.
-@pytest.mark.parametrize("quantization,layer,within_plan", [("int8", "Int8Linear", True), ("nf4", "Linear4bit", False)])
+@pytest.mark.parametrize("quantization,layer,within_plan", [("int8", "Int8Linear", True), ("nf4", "Nf4Linear", False)])
 def test_streamed_bnb_load_peaks_within_its_plan(thin_file, quantization, layer, within_plan):
     """The peak above baseline is at most the plan's resident bytes plus its loading transient (one
     block in bf16 + the quantizer's temporaries of one chunk), with QUANTIZED_SLACK for the allocator

@@ -272,4 +272,4 @@ def test_nf4_leaves_loaded_lora_matrices_alone():
     quantize_transformer_(transformer, "nf4", compute_dtype=torch.float32)
     wrapped = transformer.transformer_blocks[0].attn.to_q
     assert type(wrapped.lora_A["default"]) is torch.nn.Linear and wrapped.lora_A["default"].weight.dtype == torch.float32
-    assert type(wrapped.base_layer).__name__ == "Linear4bit"
+    assert type(wrapped.base_layer).__name__ == "Nf4Linear"

@@ -16,7 +16,7 @@ from krea2_diffusers.models.tiny import proportioned_transformer_config, save_ra
 from krea2_diffusers.quantization.gguf import resident_bytes
 
 CONFIG = proportioned_transformer_config(num_layers=2, heads=2, head_dim=64)
-LAYERS = {"fp8": "Fp8Linear", "int8": "Int8Linear", "nf4": "Linear4bit"}
+LAYERS = {"fp8": "Fp8Linear", "int8": "Int8Linear", "nf4": "Nf4Linear"}
 
 
 @pytest.fixture(scope="module")

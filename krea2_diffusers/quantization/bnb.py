@@ -65,7 +65,9 @@ def _replacement(bnb, linear: nn.Linear, mode: str, compute_dtype: torch.dtype) 
     bias = linear.bias
     on_cpu = weight.device.type == "cpu"
     if mode == "nf4":
-        new = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=bias is not None,
+        from .bnb_nf4 import Nf4Linear
+
+        new = Nf4Linear(linear.in_features, linear.out_features, bias=bias is not None,
                                 compute_dtype=compute_dtype, quant_type="nf4", device="meta")
         # bitsandbytes >= 0.49 repacks the weight in place, with a bf16 absmax, at the first no-grad
         # eval forward on CPUs with AVX512-BF16: the numerics (and in_features < 64, a crash) would
