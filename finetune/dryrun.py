@@ -228,7 +228,7 @@ def host_plan(config: TrainConfig, plan: MemoryPlan, on_gpu: bool) -> HostPlan:
     where the caching phase needs more than the training phase. On the CPU the training plan's
     rows are host memory too; the load's transient and training's own tensors never coexist."""
     from krea2_diffusers.loaders.quantized import planned_transformer_bytes
-    from krea2_diffusers.pipelines.host_memory import PROCESS_BASELINE, dequantized_weight_bytes, file_bytes
+    from krea2_diffusers.pipelines.host_memory import PROCESS_BASELINE, file_bytes
 
     from .model import DTYPES, transformer_weights
 
@@ -250,11 +250,11 @@ def host_plan(config: TrainConfig, plan: MemoryPlan, on_gpu: bool) -> HostPlan:
                 host.add(label, size)
         training = sum(size for label, size in rows if not label.startswith("frozen"))
         label = "training tensors"
-        # bitsandbytes' NF4 CPU kernels dequantize a whole matrix per call; int8 trains in row
-        # chunks (quantization.bnb_int8), as fp8 computes
-        if quantization == "nf4":
-            training += dequantized_weight_bytes(transformer_config)
-            label += " (and one dequantized weight)"
+        # Quantized layers compute in row chunks on the CPU (quantization.chunked_linear); under
+        # activation checkpointing the recompute keeps one block's expanded weights for its backward.
+        if quantization is not None and config.training.activation_checkpointing != "none":
+            training += expanded_block_bytes(transformer_config, DTYPES[config.model.dtype])
+            label += " (and one block's expanded weights)"
         host.add(f"{label}, or the load's one block + quantizer temporaries (the larger)", max(training, loading))
     else:
         host.add("the load's one block + quantizer temporaries", loading)
@@ -264,6 +264,14 @@ def host_plan(config: TrainConfig, plan: MemoryPlan, on_gpu: bool) -> HostPlan:
         host.add("text encoder and VAE (freed after caching, before the transformer loads), beyond the above",
                  max(0, encoders - (host.total - PROCESS_BASELINE)))
     return host
+
+
+def expanded_block_bytes(transformer_config: dict, dtype: torch.dtype) -> int:
+    """Bytes of one transformer block's linear weights in ``dtype``: what a checkpointed block's
+    recompute keeps expanded for its backward (quantization.chunked_linear.expanded_weights_kept)."""
+    with torch.device("meta"):
+        block = Krea2Transformer2DModel(**{**transformer_config, "num_layers": 1}).transformer_blocks[0]
+    return sum(m.weight.numel() for m in block.modules() if isinstance(m, nn.Linear)) * dtype.itemsize
 
 
 def _fitting_modes(config: TrainConfig, world_size: int, copies: ModelCopies, available: int, on_gpu: bool,

@@ -75,3 +75,64 @@ def test_float64_input_gradient_stays_float64(monkeypatch):
     chunked_linear(x, lambda rows, dtype, device: weight[rows].to(dtype), 45, 16).backward(grad)
     assert x.grad.dtype == torch.float64
     torch.testing.assert_close(x.grad, grad @ weight, rtol=1e-13, atol=1e-13)
+
+
+def test_checkpointed_blocks_keep_the_recomputes_expanded_weights_for_their_backward(monkeypatch):
+    """Training blocks under activation checkpointing (finetune.engine.parallel) expand each quantized
+    weight twice a step (the forward, the recompute) instead of three times (also the backward): the
+    recompute's chunks are saved for that block's backward (issue 42). The gradients are the same to
+    the bit, since the saved chunks are the values the backward would expand again; and without
+    checkpointing (``expanded_weights_kept`` not entered) nothing is kept."""
+    from functools import partial
+
+    from finetune.engine.parallel import apply_activation_checkpointing
+    from krea2_diffusers.quantization import bnb_packing
+
+    monkeypatch.setattr(bnb_packing, "CHUNK_WEIGHTS", 16 * 3)  # 3 rows a chunk: several chunks a layer
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(16, 16, generator=generator, dtype=torch.float64) for _ in range(4)]
+    calls = []
+
+    def weight_rows(n: int, rows: slice, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        calls.append(n)
+        return weights[n][rows].to(device=device, dtype=dtype)
+
+    class Block(torch.nn.Module):
+        def __init__(self, first: int):
+            super().__init__()
+            self.first = first
+            self.lora = torch.nn.Linear(16, 16, dtype=torch.float64)  # a trained part, so inputs need gradients
+
+        def forward(self, x):
+            x = self.lora(x)
+            for n in (self.first, self.first + 1):
+                x = torch.tanh(chunked_linear(x, partial(weight_rows, n), 16, 16))
+            return x
+
+    def step(checkpointed: bool) -> tuple[torch.Tensor, ...]:
+        torch.manual_seed(0)
+        blocks = [Block(0), Block(2)]
+        if checkpointed:
+            apply_activation_checkpointing(blocks, "full")
+        x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        for block in blocks:
+            x = block(x)
+        calls.clear()
+        x.square().sum().backward()
+        return tuple(p.grad for block in blocks for p in block.parameters())
+
+    import contextlib
+
+    from krea2_diffusers.quantization import chunked_linear as module
+
+    chunks = len(row_chunks(16, 16, torch.device("cpu")))
+    assert chunks == 6
+    plain = step(checkpointed=False)
+    assert len(calls) == 4 * chunks  # no recompute; the backward expands every chunk again
+    kept = step(checkpointed=True)
+    assert len(calls) == 4 * chunks  # the recompute expands once and keeps; the backward expands nothing
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "expanded_weights_kept", contextlib.nullcontext)
+        recomputed = step(checkpointed=True)
+    assert len(calls) == 8 * chunks  # the recompute and the backward each expand
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(plain, kept, recomputed))

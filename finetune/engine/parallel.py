@@ -53,6 +53,15 @@ def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str) -> No
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     context_fn = partial(create_selective_checkpoint_contexts, _save_policy()) if mode == "selective" else None
+    from krea2_diffusers.quantization.chunked_linear import expanded_weights_kept
+
+    def keeping(inner):
+        # quantized layers keep the recompute's expanded weights for this block's backward
+        def run(*args, **kwargs):
+            with expanded_weights_kept():
+                return inner(*args, **kwargs)
+        return run
+
     for block in blocks:
         inner = block.forward
 
@@ -60,7 +69,7 @@ def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str) -> No
             if not torch.is_grad_enabled():
                 return _inner(*args, **kwargs)
             extra = {"context_fn": context_fn} if context_fn is not None else {}
-            return checkpoint(_inner, *args, use_reentrant=False, **extra, **kwargs)
+            return checkpoint(keeping(_inner), *args, use_reentrant=False, **extra, **kwargs)
 
         block.forward = forward
 
