@@ -384,7 +384,9 @@ def main(argv=None) -> None:
     except ValueError as err:
         raise SystemExit(f"app.py: --data-root: {err}") from None
     from krea2_diffusers.cpu_threads import choose_cpu_threads
+    from krea2_diffusers.heap import hold_freed_chunks
 
+    hold_freed_chunks()
     choose_cpu_threads(*filter(None, (args.model, args.raw_model)))  # before loading: tiny models run single-threaded
     demo = make_demo(args)
     if not demo.tiny:  # tiny-random's loader has already said RANDOM WEIGHTS, once

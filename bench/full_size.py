@@ -200,6 +200,9 @@ def generate(args, tmp: Path, device: str, machine: dict) -> dict:
     from krea2_diffusers.pipelines.memory import release_text_encoder
     from krea2_diffusers.quantization.gguf import resident_bytes
 
+    from krea2_diffusers.heap import hold_freed_chunks
+
+    hold_freed_chunks()  # as ``krea2 generate`` does before loading
     dtype = getattr(torch, args.dtype)
     model, quantization = args.checkpoint, args.quantize
     if args.quantize == "Q4_K":

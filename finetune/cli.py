@@ -87,7 +87,9 @@ def _run_config_command(args, name, load, train_fn, stop_errors, dry_run, stop: 
         print("stopped before training started", file=sys.stderr)
         return STOPPED_CODE
     from krea2_diffusers.cpu_threads import choose_cpu_threads
+    from krea2_diffusers.heap import hold_freed_chunks
 
+    hold_freed_chunks()
     choose_cpu_threads(*filter(None, (config.model.pretrained_model_name_or_path, config.model.turbo_model_name_or_path)))
     try:
         result = train_fn(config, resume=args.resume)

@@ -112,3 +112,24 @@ def test_expand_caps_tiny_random_and_shows_progress():
         progress.end()
     lines = out.getvalue().splitlines()
     assert [line.split(" (")[0] for line in lines] == ["expand: 64/200 tokens", "expand: 128/200 tokens"] * 2
+
+
+def test_entry_points_hold_freed_chunks_unless_the_user_set_malloc_variables():
+    """krea2_diffusers.heap.hold_freed_chunks (called next to choose_cpu_threads by every entry point)
+    sets glibc's thresholds so that the quantized layers' expansion chunks are reused, not faulted in
+    again (issue 42: a full-size fp8 LoRA step 191.7 -> 135.6 s); a user's ``MALLOC_*`` variable wins.
+    In child processes: the setting is process-wide."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from krea2_diffusers.heap import hold_freed_chunks; print(hold_freed_chunks())"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip() == "True"
+    env["MALLOC_TRIM_THRESHOLD_"] = str(128 << 10)
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
+    for entry in ("krea2_diffusers/cli/generate.py", "krea2_diffusers/cli/expand.py", "finetune/cli.py",
+                  "finetune/pretrain/cli.py", "app.py"):
+        assert "hold_freed_chunks()" in (EXAMPLES.parent / entry).read_text(), entry

@@ -67,12 +67,14 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
         print("stopped before training started", file=sys.stderr)
         return STOPPED_CODE
     from krea2_diffusers.cpu_threads import choose_cpu_threads
+    from krea2_diffusers.heap import hold_freed_chunks
 
     from ..trainer import NonFiniteLossError
     from .architecture import transformer_config
     from .trainer import pretrain
 
     architecture = transformer_config(config.model)
+    hold_freed_chunks()
     choose_cpu_threads(width=architecture["num_attention_heads"] * architecture["attention_head_dim"])
 
     try:

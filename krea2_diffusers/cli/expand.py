@@ -99,12 +99,14 @@ def run(args) -> int:
     import torch
 
     from ..cpu_threads import choose_cpu_threads
+    from ..heap import hold_freed_chunks
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.creativity == "raw":
         print(args.prompt)  # raw is the identity: no model is loaded
         return 0
     # The LM that runs: --expander, tiny-random's own, else a Qwen3-VL text encoder (wide: threads stay torch's).
+    hold_freed_chunks()
     choose_cpu_threads(args.expander or (args.model if is_tiny(args.model) else args.text_encoder or DEFAULT_TEXT_ENCODER))
     lm, tokenizer, label = resolve_expander(args.model, args.expander, args.text_encoder, device)
     if label == TINY_LABEL:

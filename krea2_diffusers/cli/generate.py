@@ -220,7 +220,9 @@ def run(args) -> int:
     if args.dry_run:
         return print_host_plan(args, quantization, dtype, size)
     from ..cpu_threads import choose_cpu_threads
+    from ..heap import hold_freed_chunks
 
+    hold_freed_chunks()
     choose_cpu_threads(args.model)
     pipe = load_pipeline(Krea2Pipeline, args.model, text_encoder=args.text_encoder, vae=args.vae,
                          torch_dtype=dtype, is_distilled=args.is_distilled,
