@@ -211,6 +211,13 @@ def scale(sizes: list[int], pairs: int, out: str | None, buffers: bool = True) -
             timing(results)
         finally:
             server.close()
+    print("split per size (bench/dedup_scale.py: split): ms an image = descents + misses and matches")
+    for result in results:
+        part = result["split"]
+        print(f"  {result['rows']:>11,} rows: {part['ms']:.2f} ms = {part['descent_ms']:.2f} descents "
+              f"({part['probes']} probes, {part['levels']:.2f} pages each on the hot path) + "
+              f"{part['misses_and_matches_ms']:.2f} misses and matches ({part['pages_per_image']} pages an image, "
+              f"{part['key_matches_per_image']:.0f} key matches)")
     for result in results:
         result.pop("dsn"), result.pop("queries")
         print(json.dumps(result))

@@ -27,7 +27,7 @@ import numpy as np
 
 from curation.config import CurationConfig
 from curation.dedup import HashIndex
-from curation.hash_index import KEY_COLUMNS, candidates, keys
+from curation.hash_index import CANDIDATES_SQL, KEY_COLUMNS, Int4Array, bit_text, candidates, keys, probe_arrays, row_keys
 
 QUERIES = 100
 """Planted pairs timed per size (the recall counts them all)."""
@@ -209,10 +209,69 @@ def timing(results: list[dict], rounds: int = 5) -> None:
         for workers in (1, 2, 4):
             jobs = [(result["dsn"], queries[(w * WORKER_QUERIES) % len(queries):][:WORKER_QUERIES], radius, hash_size)
                     for w in range(workers)]
-            start = time.perf_counter()
-            with multiprocessing.get_context("fork").Pool(workers) as pool:
+            # spawned, not forked: a fork of this process (psycopg's and numpy's threads) once left a
+            # worker waiting forever on a lock held at the fork; started before the clock
+            with multiprocessing.get_context("spawn").Pool(workers) as pool:
+                pool.map(abs, range(workers))
+                start = time.perf_counter()
                 pool.map(_worker, jobs)
-            throughput[str(workers)] = round(sum(len(j[1]) for j in jobs) / (time.perf_counter() - start), 1)
+                seconds = time.perf_counter() - start
+            throughput[str(workers)] = round(sum(len(j[1]) for j in jobs) / seconds, 1)
             print(f"  {result['rows']} rows, {workers} workers: {throughput[str(workers)]} images/s", flush=True)
         result["images_per_s_by_workers"] = throughput
         result["load_average_1m"] = round(os.getloadavg()[0], 2)
+    for result in results:
+        result["split"] = split(result, radius, hash_size)
+
+
+KEY_LIMIT = 1 << 24
+"""Keys are 24-bit: probes moved past this limit agree with no row."""
+
+
+def _probe_params(phash: bytes, weak: bytes, hash_size: int, radius: int, shift: int = 0) -> dict:
+    arrays = probe_arrays(row_keys(phash, hash_size), weak)
+    return {**{f"p{k}": Int4Array(values + shift) for k, values in enumerate(arrays)}, "bits": bit_text(phash),
+            "radius": radius}
+
+
+def split(result: dict, radius: int, hash_size: int, rounds: int = 3) -> dict:
+    """Where a query's time goes at this size (issue 42), from the same queries:
+
+    - ``descent_ms``: the probes moved past every key (``KEY_LIMIT``): each descent ends at the
+      index's right edge, on the same pages every time: the executor's and the descents' cost with
+      no cache misses and no matching entries (grows only with the B-tree's depth);
+    - ``misses_and_matches_ms``: ``ms`` (the same queries as timed, in turns with the descents)
+      minus that: random leaf (and inner) pages that are
+      not in the CPU's caches, and the entries that agree on a probed key by chance (each one's
+      distance is computed);
+    - ``pages_per_image`` and ``levels`` (pages per probe of the descent-only variant): EXPLAIN
+      (ANALYZE, BUFFERS)'s shared-buffer hits, the mean of 5 queries;
+    - ``key_matches_per_image``: rows agreeing with a probe on a key (the same probes at radius
+      144: every such row passes), the mean of 20 queries; expected ~3,648 x rows / 2**24."""
+    import psycopg
+
+    queries = result["queries"][:QUERIES]
+    probes = sum(len(v) for v in probe_arrays(row_keys(queries[0][0], hash_size), queries[0][1]))
+    with psycopg.connect(result["dsn"], autocommit=True, prepare_threshold=0) as conn:
+        best = {0: float("inf"), KEY_LIMIT: float("inf")}
+        for _ in range(rounds):  # the queries as timed and their descents alone, in turns
+            for shift in best:
+                start = time.perf_counter()
+                for phash, weak in queries:
+                    conn.execute(CANDIDATES_SQL, _probe_params(phash, weak, hash_size, radius, shift)).fetchall()
+                best[shift] = min(best[shift], (time.perf_counter() - start) / len(queries) * 1e3)
+
+        def pages(shift: int) -> float:
+            hits = [conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + CANDIDATES_SQL,
+                                 _probe_params(phash, weak, hash_size, radius, shift)).fetchone()[0][0]["Plan"]
+                    ["Shared Hit Blocks"] for phash, weak in queries[:5]]
+            return sum(hits) / len(hits)
+
+        page_hits, descent_pages = pages(0), pages(KEY_LIMIT)
+        bits = hash_size ** 2
+        matches = [len(conn.execute(CANDIDATES_SQL, _probe_params(phash, weak, hash_size, bits)).fetchall())
+                   for phash, weak in queries[:20]]
+    return {"ms": round(best[0], 3), "descent_ms": round(best[KEY_LIMIT], 3),
+            "misses_and_matches_ms": round(best[0] - best[KEY_LIMIT], 3),
+            "pages_per_image": round(page_hits), "levels": round(descent_pages / probes, 2), "probes": probes,
+            "key_matches_per_image": round(sum(matches) / len(matches), 1)}

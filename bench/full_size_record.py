@@ -92,13 +92,16 @@ def dequant_path(layer) -> str | None:
     name = type(layer).__name__
     if name == "PackedLinear":
         return (f"GGUF {layer.qtype.name}: krea2_diffusers.quantization.gguf.dequant (float32 chunks of "
-                "CHUNK_VALUES, rounded once) inside chunked_linear's output-row chunks; backward re-expands")
+                "CHUNK_VALUES, rounded once) inside chunked_linear's output-row chunks; backward re-expands (training: keeps the recompute's)")
     if name == "Fp8Linear":
         return ("fp8: krea2_diffusers.quantization.fp8.dequantize_weight (a 256-entry table per row, index_select) "
-                "inside chunked_linear's output-row chunks; backward re-expands")
+                "inside chunked_linear's output-row chunks; backward re-expands (training: keeps the recompute's)")
     if name == "Int8Linear":
         return (f"int8 ({_bnb_backend()}): inference bitsandbytes int8_linear_matmul (torch._int_mm on the codes, "
                 "no expansion); CPU training: codes x SCB / 127 in chunked_linear's output-row chunks")
+    if name == "Nf4Linear":
+        return (f"nf4 ({_bnb_backend()}): bitsandbytes dequantize_blockwise + dequantize_4bit on row slices "
+                "inside chunked_linear's output-row chunks (CPU); backward re-expands (training: keeps the recompute's)")
     if name == "Linear4bit":
         return (f"nf4 ({_bnb_backend()}): bitsandbytes dequantize_4bit of the whole matrix at each call, then "
                 "F.linear; backward expands it again")
