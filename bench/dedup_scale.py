@@ -27,7 +27,7 @@ import numpy as np
 
 from curation.config import CurationConfig
 from curation.dedup import HashIndex
-from curation.hash_index import CANDIDATES_SQL, KEY_COLUMNS, Int4Array, bit_text, candidates, keys, probe_arrays, row_keys
+from curation.hash_index import CANDIDATES_SQL, KEY_COLUMNS, SUBSTRING_BITS, Int4Array, bit_text, candidates, keys, probe_arrays, row_keys
 
 QUERIES = 100
 """Planted pairs timed per size (the recall counts them all)."""
@@ -224,8 +224,8 @@ def timing(results: list[dict], rounds: int = 5) -> None:
         result["split"] = split(result, radius, hash_size)
 
 
-KEY_LIMIT = 1 << 24
-"""Keys are 24-bit: probes moved past this limit agree with no row."""
+KEY_LIMIT = 1 << SUBSTRING_BITS
+"""Probes moved past this limit (keys are SUBSTRING_BITS wide) agree with no row."""
 
 
 def _probe_params(phash: bytes, weak: bytes, hash_size: int, radius: int, shift: int = 0) -> dict:
@@ -247,7 +247,7 @@ def split(result: dict, radius: int, hash_size: int, rounds: int = 3) -> dict:
     - ``pages_per_image`` and ``levels`` (pages per probe of the descent-only variant): EXPLAIN
       (ANALYZE, BUFFERS)'s shared-buffer hits, the mean of 5 queries;
     - ``key_matches_per_image``: rows agreeing with a probe on a key (the same probes at radius
-      144: every such row passes), the mean of 20 queries; expected ~3,648 x rows / 2**24."""
+      144: every such row passes), the mean of 20 queries; expected ~3,648 x rows / 2**26."""
     import psycopg
 
     queries = result["queries"][:QUERIES]

@@ -1,19 +1,22 @@
 """The near-duplicate candidate index, kept in the warehouse: multi-index hashing over pHash substrings.
 
-Each row the filter job hashed stores ``SUBSTRINGS`` keys (``phash_k0..k2``, 24-bit ints, one
-B-tree each): the 72 lowest-frequency bits of its pHash (the DC bit, always set, left out), cut
-into three runs of 24 in frequency order; and ``phash_weak``: per key, the ``WEAK_BITS`` bits whose
-DCT coefficients lie closest to the median (the bits a copy flips). A query probes, per key, its
-value with any subset of its weak bits flipped and, with each, up to ``PROBE_RADIUS`` other bits
-(1,216 values a key, 3,648 in all); the server keeps the rows within ``max_hash_distance``.
+Each row the filter job hashed stores ``SUBSTRINGS`` keys (``phash_k0..k2``, 26-bit ints, one
+B-tree each): the 78 lowest-frequency bits of its pHash (the DC bit, always set, left out), cut
+into three runs of 26 in frequency order; and ``phash_weak``: per key, its ``WEAK_BITS`` bits
+whose DCT coefficients lie closest to the median (the bits a copy flips), least certain first. A
+query probes, per key, its value with each of the ``PROBES`` flip patterns of those ranked bits
+that a copy most likely shows (:func:`probe_patterns`: 1,216 values a key, 3,648 in all); the
+server keeps the rows within ``max_hash_distance``.
 
 Why this: the radius (44 of 144 bits, ~30%) is far beyond pigeonhole multi-index hashing (45
 substrings of 3 bits); plain substring keys probed at a fixed radius found 0.93-0.96 of the exact
 scan's pairs at a flat cost (crops flip low frequencies too); pgvector 0.6.2 (``pgserver``) has no
 bit vectors, and HNSW over +-1 float vectors builds at a few thousand rows a second here (hours at
-1e7). Weak-bit probing found 0.995 of 1,600 real copy pairs (crops <= 5% a side, resizes, JPEG
-q60-95) in simulation and 1.0 of 300 in bench/bench_curation.py --scale; a random row matches a
-probe with probability 2**-24, ~2,200 index entries a query at 1e7 rows, ~22 at 1e5.
+1e7). A random row matches a probe with probability 2**-26: ~540 index entries a query at 1e7 rows,
+~5 at 1e5. Schema 4-5 keys were 24 bits (2,200 chance entries at 1e7, which doubled the per-image
+cost from 1e5 to 1e7: issue 42) probed by every subset of 6 weak bits with any one other bit;
+with 26-bit keys that template found 0.991 / 0.994 of 1,600 real copy pairs (two draws) in
+simulation, the ranked patterns 0.994 / 0.997 with the same 3,648 probes (24-bit keys: 0.997 / 0.996).
 
 The crop windows (curation/windows.py) have the same keys in ``image_windows``: a dedup batch
 (:func:`batch_candidates`, one statement for the whole batch) probes the full-frame index with
@@ -24,7 +27,7 @@ curation.hash_scan.SCAN_ROWS rows are scanned exactly instead (cheaper there).
 from __future__ import annotations
 
 import functools
-import itertools
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,11 +36,22 @@ from psycopg.adapt import Dumper
 from psycopg.pq import Format
 
 SUBSTRINGS = 3
-SUBSTRING_BITS = 24
-WEAK_BITS = 6
-"""Per key, the query flips every subset of its 6 least certain bits (smallest coefficient margins)."""
-PROBE_RADIUS = 1
-"""... and, with each, any one other bit: 64 * (1 + 18) = 1,216 values a key."""
+SUBSTRING_BITS = 26
+WEAK_BITS = 14
+"""Per key, the positions (0..SUBSTRING_BITS-1, MSB first) of its 14 least certain bits (smallest
+coefficient margins), least certain first: ``phash_weak`` holds SUBSTRINGS * WEAK_BITS bytes."""
+RANK_COST = 1.15
+"""A flip pattern's cost: the sum of RANK_COST ** rank over the ranked bits it flips. The patterns
+a query probes are the cheapest ones (a copy flips its least certain bits first; a few ranks
+further down cost little more). Chosen on one draw of 1,600 real copy pairs from 1.15 / 1.3 / 1.5
+(0.9944 / 0.9937 / 0.9931 at 26-bit keys), confirmed on another (0.9969)."""
+PROBES = 1216
+"""Patterns probed per key by a full frame (the budget of schema 5's 64 weak subsets x 19)."""
+NARROW_PROBES = 64
+"""Patterns per key of the narrow probes (the window index's second and third keys, the windows' views)."""
+LEGACY_SUBSTRING_BITS, LEGACY_WEAK_BITS = 24, 6
+"""Schema 4-5's layout: ``phash_weak`` of 18 bytes (6 positions in each 24-bit key); read through
+:func:`ranked_weak`."""
 KEY_COLUMNS = tuple(f"phash_k{k}" for k in range(SUBSTRINGS))
 
 
@@ -70,35 +84,57 @@ def weak_bits(margins: np.ndarray, hash_size: int) -> bytes:
     return np.argsort(per_key, axis=1, kind="stable")[:, :WEAK_BITS].astype(np.uint8).tobytes()
 
 
-@functools.lru_cache(maxsize=1)
-def _subset_matrix() -> np.ndarray:
-    """(2**WEAK_BITS, WEAK_BITS) 0/1: every subset of the weak bits."""
-    return (np.arange(1 << WEAK_BITS)[:, None] >> np.arange(WEAK_BITS)[None]) & 1
+@functools.lru_cache(maxsize=4)
+def probe_patterns(count: int) -> np.ndarray:
+    """(count, WEAK_BITS) 0/1 int64: the ``count`` cheapest subsets of the ranked bits (cost: the sum
+    of RANK_COST ** rank over the subset; the empty one first), ties in subset order."""
+    subsets = (np.arange(1 << WEAK_BITS)[:, None] >> np.arange(WEAK_BITS)[None]) & 1
+    cost = subsets @ (RANK_COST ** np.arange(WEAK_BITS))
+    return subsets[np.argsort(cost, kind="stable")[:count]].astype(np.int64)
 
 
-def probe_arrays(row: list[int], weak: bytes | None, radius: int = PROBE_RADIUS) -> list[np.ndarray]:
-    """Per key, the values probed (sorted int64): the key with any subset of its weak bits flipped,
-    each also with up to ``radius`` other bits flipped. ``weak`` None (rows filtered before schema
-    4): the radius alone (25 values a key at radius 1, lower recall on cropped copies)."""
-    weak_sets = np.frombuffer(weak, np.uint8).reshape(SUBSTRINGS, WEAK_BITS) if weak else [None] * SUBSTRINGS
+def ranked_weak(weak: bytes | None) -> np.ndarray | None:
+    """(SUBSTRINGS, WEAK_BITS) positions of ``phash_weak`` (None: none stored). Schema 4-5 rows
+    (18 bytes: 6 positions in each 24-bit key) are translated: each known weak bit goes to the key
+    and position it has now, by its old rank; the rest of a key's ranks are its other bits, highest
+    frequency first (the smaller coefficients, closer to the median)."""
+    if weak is None:
+        return None
+    if len(weak) == SUBSTRINGS * WEAK_BITS:
+        return np.frombuffer(weak, np.uint8).reshape(SUBSTRINGS, WEAK_BITS)
+    if len(weak) != SUBSTRINGS * LEGACY_WEAK_BITS:
+        raise ValueError(f"phash_weak of {len(weak)} bytes; expected {SUBSTRINGS * WEAK_BITS} "
+                         f"(or {SUBSTRINGS * LEGACY_WEAK_BITS} from schema 4-5)")
+    old = np.frombuffer(weak, np.uint8).reshape(SUBSTRINGS, LEGACY_WEAK_BITS).astype(np.int64)
+    # old[key, rank]: a position in that 24-bit key; its frequency index is key * 24 + position
+    found = sorted((rank, key, int(key * LEGACY_SUBSTRING_BITS + old[key, rank]))
+                   for key in range(SUBSTRINGS) for rank in range(LEGACY_WEAK_BITS))
     out = []
-    for key, positions in zip(row, weak_sets):
+    for key in range(SUBSTRINGS):
+        known = [g - key * SUBSTRING_BITS for _, _, g in found if g // SUBSTRING_BITS == key]
+        rest = [p for p in range(SUBSTRING_BITS - 1, -1, -1) if p not in known]
+        out.append((known + rest)[:WEAK_BITS])
+    return np.array(out, np.uint8)
+
+
+def probe_arrays(row: list[int], weak: bytes | None, count: int = PROBES) -> list[np.ndarray]:
+    """Per key, the values probed (sorted int64): the key with each of the ``count`` cheapest flip
+    patterns of its ranked weak bits (:func:`probe_patterns`). ``weak`` None (rows filtered before
+    schema 4): the key and its single-bit flips (27 values a key, lower recall on cropped copies)."""
+    positions = ranked_weak(weak)
+    out = []
+    for k, key in enumerate(row):
         if positions is None:
-            shifts, subsets = [], np.zeros(1, np.int64)
+            flips = np.concatenate([[0], np.int64(1) << np.arange(SUBSTRING_BITS, dtype=np.int64)])
         else:
-            shifts = (SUBSTRING_BITS - 1 - positions.astype(np.int64)).tolist()
-            subsets = _subset_matrix() @ (np.int64(1) << np.array(shifts, np.int64))
-        others = [b for b in range(SUBSTRING_BITS) if b not in shifts]
-        singles = [0]
-        for flips in range(1, radius + 1):
-            singles += [sum(1 << b for b in bits) for bits in itertools.combinations(others, flips)]
-        out.append(np.unique((np.int64(key) ^ subsets)[:, None] ^ np.array(singles, np.int64)[None]))
+            flips = probe_patterns(count) @ (np.int64(1) << (SUBSTRING_BITS - 1 - positions[k].astype(np.int64)))
+        out.append(np.unique(np.int64(key) ^ flips))
     return out
 
 
-def probes(row: list[int], weak: bytes | None, radius: int = PROBE_RADIUS) -> list[list[int]]:
+def probes(row: list[int], weak: bytes | None, count: int = PROBES) -> list[list[int]]:
     """:func:`probe_arrays` as lists."""
-    return [values.tolist() for values in probe_arrays(row, weak, radius)]
+    return [values.tolist() for values in probe_arrays(row, weak, count)]
 
 
 def bit_text(phash: bytes) -> str:
@@ -117,8 +153,8 @@ CANDIDATES_SQL = (
 # index-only descent a value); planned as a join, the planner hashed the whole table at 1e5 rows
 # (its cost model prices 3,648 descents above a scan), 50x slower. The radius is checked on the
 # index entries (INCLUDE phash_bits) inside each descent, so only rows within it are collected:
-# at 1e7 rows a query meets ~2,200 entries that agree on a key by chance (0.6 a key value), and
-# materialising them all before filtering cost 0.6-1.4 ms a query there (~0.01 ms at 1e5). The distance
+# at 1e7 rows a query meets ~540 entries that agree on a key by chance (2,200 with schema 5's 24-bit
+# keys, where materialising them all before filtering cost 0.6-1.4 ms a query; ~0.01 ms at 1e5). The distance
 # is on the hash as a bit string, because decoding the bytea one (hex, then varbit) cost ~4 us an entry.
 """Placed rows (only they carry keys) agreeing with the query on a probed key and within the
 radius on the whole hash. Each key's index holds the hash as a bit string (INCLUDE phash_bits), so
@@ -160,16 +196,16 @@ FULL = 0
 """A candidate's view (:func:`batch_candidates`): both full frames. ``1 + j``: the candidate's
 window j against the query's full frame (the query is the crop); ``-(1 + j)``: the query's window
 j against the candidate's full frame (the query is the original)."""
-WINDOW_PROBE_RADII = (1, 0, 0)
-"""Per key, the extra bits a full frame's probe of the window index flips besides its weak bits:
-the first (lowest-frequency) key at radius 1, the others at 0 (1,344 values, not 3,648)."""
-WINDOW_VIEW_RADII = (1, 1, 0, 0)
-"""Per crop window (curation.windows.WINDOWS), the extra bits its probes of the full-frame index
-flip on the first key (the others: weak bits alone): 1,344 values for the 0.85 and 0.75 windows,
-192 for the aspect ones (their copies lie within 2 bits). Measured on 250 originals
-(bench_curation.py --crops): with every window at radius 0 the original's windows found 0.944 of
-the 10-15% crops the exact scan finds, the crop's full frame finding the original's window 0.992;
-radius 0 on every key of the window index found 0.94 of them in simulation."""
+WINDOW_PROBE_COUNTS = (PROBES, NARROW_PROBES, NARROW_PROBES)
+"""Per key, the patterns a full frame's probe of the window index flips: the first
+(lowest-frequency) key the full frame's own 1,216, the others 64 (1,344 values, not 3,648)."""
+WINDOW_VIEW_PROBES = (PROBES, PROBES, NARROW_PROBES, NARROW_PROBES)
+"""Per crop window (curation.windows.WINDOWS), the patterns its probes of the full-frame index flip
+on the first key (the others: 64): 1,344 values for the 0.85 and 0.75 windows, 192 for the aspect
+ones (their copies lie within 2 bits). Measured with schema 5's template (bench_curation.py --crops,
+250 originals): with every window narrow the original's windows found 0.944 of the 10-15% crops
+the exact scan finds, the crop's full frame finding the original's window 0.992; narrow probes on
+every key of the window index found 0.94 of them in simulation."""
 
 
 @dataclass
@@ -208,8 +244,8 @@ BATCH_SQL = _probe_sql()
 """A batch's candidates in one statement, through the multi-index probes: each query view (its
 full frame, view 0, and its crop windows, view -(1 + j)) against the full-frame index, and its full
 frame against the window index (image_windows). The full frame probes as :func:`candidates` does
-(3,648 values), the window index at :data:`WINDOW_PROBE_RADII` (1,344) and its 4 windows the
-full-frame index at :data:`WINDOW_VIEW_RADII` (2 x 1,344 + 2 x 192): 8,064 descents an image,
+(3,648 values), the window index at :data:`WINDOW_PROBE_COUNTS` (1,344) and its 4 windows the
+full-frame index at :data:`WINDOW_VIEW_PROBES` (2 x 1,344 + 2 x 192): 8,064 descents an image,
 2.2x the full frame's alone. Each probe list is bound as a binary int4 array."""
 
 
@@ -223,14 +259,14 @@ def batch_candidates(conn, queries: list[Query], hash_size: int, radius: int) ->
         for view, phash, weak in views:
             qq.append(n), qview.append(view), qbits.append(bit_text(phash))
             row = row_keys(phash, hash_size)
-            narrow = probe_arrays(row, weak, 0)
+            narrow = probe_arrays(row, weak, NARROW_PROBES)
             if view == 0:
                 for k, values in enumerate(probe_arrays(row, weak)):
                     lists["f"][k].append((n, view, values))
-                    # the radius-1 key shares the full frame's values; the others take the narrow ones
-                    lists["w"][k].append((n, view, values if WINDOW_PROBE_RADII[k] == PROBE_RADIUS else narrow[k]))
-            else:  # a window of this image: its weak bits (192 values), the first key wider for some
-                wide = probe_arrays(row, weak, 1)[0] if WINDOW_VIEW_RADII[-view - 1] else narrow[0]
+                    # the wide key shares the full frame's values; the others take the narrow ones
+                    lists["w"][k].append((n, view, values if WINDOW_PROBE_COUNTS[k] == PROBES else narrow[k]))
+            else:  # a window of this image: 64 patterns a key (192 values), the first key wider for some
+                wide = probe_arrays(row, weak, WINDOW_VIEW_PROBES[-view - 1])[0]
                 for k in range(SUBSTRINGS):
                     lists["f"][k].append((n, view, wide if k == 0 else narrow[k]))
     params = {"qq": Int4Array(qq), "qview": Int4Array(qview), "qbits": qbits, "radius": radius}
@@ -261,3 +297,21 @@ def backfill(conn) -> int:
                  f"AS v(id, {', '.join(f'k{k}' for k in range(SUBSTRINGS))}) WHERE i.id = v.id",
                  [ids] + [table[:, k].tolist() for k in range(SUBSTRINGS)])
     return len(ids)
+
+
+def rekey(conn) -> int:
+    """Schema migration 6: every stored key (images and image_windows) recomputed from the row's
+    hash bits, now 26 bits a key (schema 4-5: 24), in the server (get_bit on ``phash_bits``, MSB
+    first as packed; one UPDATE per hash size stored); returns the rows rewritten."""
+    rewritten = 0
+    for table, where in (("images", f"{KEY_COLUMNS[0]} IS NOT NULL"), ("image_windows", "true")):
+        for (length,) in conn.execute(f"SELECT DISTINCT length(phash_bits) FROM {table} WHERE {where}").fetchall():
+            # phash_bits holds the packed bytes: a hash of s**2 bits takes ceil(s**2 / 8) of them
+            hash_size = next(s for s in range(1, length + 1) if 8 * math.ceil(s * s / 8) >= length)
+            order = bit_order(hash_size)  # refuses a hash too short for the keys
+            sets = ", ".join(f"{column} = " + " | ".join(
+                f"(get_bit(phash_bits, {int(p)}) << {SUBSTRING_BITS - 1 - j})"
+                for j, p in enumerate(order[k * SUBSTRING_BITS:(k + 1) * SUBSTRING_BITS])) for k, column in enumerate(KEY_COLUMNS))
+            rewritten += conn.execute(f"UPDATE {table} SET {sets} WHERE {where} AND length(phash_bits) = %s",
+                                      (length,)).rowcount
+    return rewritten

@@ -8,7 +8,7 @@ schema is newer than this code is refused: an old worker must never write rows i
 
 from __future__ import annotations
 
-from .hash_index import KEY_COLUMNS, backfill
+from .hash_index import KEY_COLUMNS, backfill, rekey
 from .server import WarehouseError
 
 JOBS = ("probe", "filter", "dedup", "caption", "embed", "cluster")
@@ -118,7 +118,15 @@ CREATE TABLE image_windows (id bigint NOT NULL, crop smallint NOT NULL, phash_bi
 ``image_windows``, the windows' hashes under the same multi-index keys, one row a window, written
 by the row's dedup batch before it looks for candidates. Rows filtered before it have no windows: they match by full frame only."""
 
-MIGRATIONS = (_V1, _V2, _V3, (_V4, backfill), _V5)
+_V6 = ""
+"""Version 6: 26-bit index keys (issue 42: with 24 bits a query met 3,648 x rows / 2**24 rows by
+chance, ~2,200 at 1e7, which doubled the per-image cost from 1e5 to 1e7) and 14 ranked weak bits a
+key (curation/hash_index.py); :func:`~curation.hash_index.rekey` rewrites every stored key from the
+hash bits (one UPDATE of each indexed row: time and a table's worth of dead rows, which autovacuum
+takes back). ``phash_weak`` and the windows' weak bits stored before (6 a key) stay as they are and
+are read through :func:`~curation.hash_index.ranked_weak`."""
+
+MIGRATIONS = (_V1, _V2, _V3, (_V4, backfill), _V5, (_V6, rekey))
 """MIGRATIONS[i] takes a database from schema version i to i + 1: a script, or a script and then a
 function of the connection (work SQL alone cannot do)."""
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -157,7 +165,8 @@ def migrate(conn, where: str) -> tuple[int, int]:
                                  f"(version {SCHEMA_VERSION}); refusing to touch it")
         for version in range(before, SCHEMA_VERSION):
             script, *then = MIGRATIONS[version] if isinstance(MIGRATIONS[version], tuple) else (MIGRATIONS[version],)
-            conn.execute(script)
+            if script:
+                conn.execute(script)
             for step in then:
                 step(conn)
         conn.execute("DELETE FROM curation_schema")

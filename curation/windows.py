@@ -30,7 +30,7 @@ import numpy as np
 from PIL import Image
 
 from .alignment import SIDE
-from .hash_index import SUBSTRINGS, WEAK_BITS, weak_bits
+from .hash_index import LEGACY_WEAK_BITS, SUBSTRINGS, WEAK_BITS, weak_bits
 from .hashing import colour_hash, perceptual_hash_margins
 
 WINDOWS = ((0.85, 0.85), (0.75, 0.75), (1.0, 0.75), (0.75, 1.0))
@@ -67,10 +67,14 @@ def window_fingerprints(grey: Image.Image, rgb: Image.Image, hash_size: int, col
 
 
 def unpack(data: bytes, hash_size: int, colour_grid: int) -> list[tuple[bytes, bytes, bytes]]:
-    """``(phash, weak, colour)`` per window, from :func:`window_fingerprints`' bytes."""
+    """``(phash, weak, colour)`` per window, from :func:`window_fingerprints`' bytes (or schema 4-5's,
+    whose weak bits are 6 a key: curation.hash_index.ranked_weak reads them)."""
     sizes = record_layout(hash_size, colour_grid)
     count = len(WINDOWS)
-    if len(data) != sum(sizes) * count:
+    legacy = (sizes[0], SUBSTRINGS * LEGACY_WEAK_BITS, sizes[2])
+    if len(data) == sum(legacy) * count:
+        sizes = legacy
+    elif len(data) != sum(sizes) * count:
         raise ValueError(f"crop windows of {len(data)} bytes; expected {sum(sizes) * count}")
     starts = (0, sizes[0] * count, (sizes[0] + sizes[1]) * count)
     return [tuple(data[start + j * size:start + (j + 1) * size] for start, size in zip(starts, sizes))

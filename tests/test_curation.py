@@ -265,11 +265,20 @@ def test_schema_3_claims_that_find_nothing_read_no_rows(server, capsys):
         conn.execute("INSERT INTO images (uri, phash, dedup_group, status) VALUES ('/old.jpg', %s, 1, 'kept')", (phash,))
     assert _cli(capsys, "init", "--dsn", dsn)[0] == 0
     with open_warehouse(dsn=dsn) as warehouse:
-        assert schema_version(warehouse.conn) == len(MIGRATIONS) == 5
-        bits = np.unpackbits(np.frombuffer(phash, np.uint8))  # the 72 lowest frequencies but DC, 24 a key
-        low = sorted(range(1, 144), key=lambda i: (i // 12 + i % 12, i))[:72]
-        expected = [int("".join(map(str, bits[low[k * 24:(k + 1) * 24]])), 2) for k in range(3)]
-        assert list(warehouse.conn.execute("SELECT phash_k0, phash_k1, phash_k2 FROM images").fetchone()) == expected
+        assert schema_version(warehouse.conn) == len(MIGRATIONS) == 6
+        bits = np.unpackbits(np.frombuffer(phash, np.uint8))  # the 78 lowest frequencies but DC, 26 a key
+        low = sorted(range(1, 144), key=lambda i: (i // 12 + i % 12, i))[:78]
+        expected = [int("".join(map(str, bits[low[k * 26:(k + 1) * 26]])), 2) for k in range(3)]
+        keys_sql = "SELECT phash_k0, phash_k1, phash_k2 FROM {} WHERE id = %s"
+        assert list(warehouse.conn.execute(keys_sql.format("images"), (1,)).fetchone()) == expected
+        # Version 6 rewrites schema 5's 24-bit keys, of rows and of windows, from the stored hash bits.
+        from curation.hash_index import rekey
+        warehouse.conn.execute("UPDATE images SET phash_k0 = 7, phash_k1 = 8, phash_k2 = 9")
+        warehouse.conn.execute("INSERT INTO image_windows SELECT id, 0, phash_bits, 1, 2, 3 FROM images")
+        assert rekey(warehouse.conn) == 2
+        assert list(warehouse.conn.execute(keys_sql.format("images"), (1,)).fetchone()) == expected
+        assert list(warehouse.conn.execute(keys_sql.format("image_windows"), (1,)).fetchone()) == expected
+        warehouse.conn.execute("DELETE FROM image_windows")
         warehouse.conn.execute("DELETE FROM images")
         warehouse.ingest((f"/nowhere/{i}.jpg", None) for i in range(300))
 
@@ -312,23 +321,43 @@ def test_hash_index_matches_brute_force():
             assert sorted(index.query(query)) == brute == sorted(scanned.query(query))
 
 
-def test_index_probes_cover_weak_bits_and_one_more():
-    """A query's probes reach every stored key that differs from its own in any of its weak bits
-    plus at most one other bit, and no key with two other bits flipped."""
-    from curation.hash_index import SUBSTRING_BITS, WEAK_BITS, probes
+def test_index_probes_are_the_cheapest_patterns_of_the_ranked_weak_bits():
+    """Per key, a query probes its key with each of the PROBES cheapest flip patterns of its ranked
+    weak bits (a pattern's cost: the sum of RANK_COST ** rank over the bits it flips), here found by
+    brute force over every subset; schema 4-5's weak bits (6 per 24-bit key) are translated to the
+    26-bit keys by their old rank."""
+    from itertools import combinations
+
+    from curation.hash_index import PROBES, RANK_COST, SUBSTRING_BITS, WEAK_BITS, probes, ranked_weak
 
     rng = np.random.default_rng(1)
-    for _ in range(20):
+    costs = sorted((sum(RANK_COST ** r for r in subset), subset)
+                   for n in range(WEAK_BITS + 1) for subset in combinations(range(WEAK_BITS), n))
+    bar = costs[PROBES - 1][0]
+    assert costs[PROBES][0] > bar + 1e-9  # no tie at the cut, so the set is unambiguous
+    for _ in range(3):
         key = [int(k) for k in rng.integers(0, 1 << SUBSTRING_BITS, 3)]
         weak = [rng.choice(SUBSTRING_BITS, WEAK_BITS, replace=False) for _ in range(3)]
         probed = [set(p) for p in probes(key, np.stack(weak).astype(np.uint8).tobytes())]
         for k in range(3):
-            flip = lambda positions: key[k] ^ sum(1 << (SUBSTRING_BITS - 1 - int(p)) for p in positions)  # noqa: E731
-            others = [p for p in range(SUBSTRING_BITS) if p not in weak[k]]
-            some_weak = [p for p in weak[k] if rng.random() < 0.5]
-            assert flip(some_weak) in probed[k] and flip(some_weak + [others[0]]) in probed[k]
-            assert flip(some_weak + others[:2]) not in probed[k]
-        assert len(probed[0]) == 2 ** WEAK_BITS * (SUBSTRING_BITS - WEAK_BITS + 1)
+            flip = lambda subset: key[k] ^ sum(1 << (SUBSTRING_BITS - 1 - int(weak[k][r])) for r in subset)  # noqa: E731
+            assert probed[k] == {flip(subset) for cost, subset in costs[:PROBES]}
+            assert flip(costs[PROBES][1]) not in probed[k] and flip(()) == key[k]
+
+    # Schema 4-5: old key 0 ranks its bits 23, 22, 0, 1, 2, 3; old key 1 (frequency indexes 24-47)
+    # its 0-5, i.e. 24, 25 (now key 0's last two) and 26-29 (now key 1's first four).
+    legacy = np.array([[23, 22, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5], [10, 11, 12, 13, 14, 15]], np.uint8)
+    ranked = ranked_weak(legacy.tobytes())
+    assert ranked.shape == (3, WEAK_BITS)
+    assert ranked[0].tolist() == [23, 24, 22, 25, 0, 1, 2, 3, 21, 20, 19, 18, 17, 16]
+    assert ranked[1][:4].tolist() == [0, 1, 2, 3]  # ranks 2-5 of old key 1, before anything unranked
+    with pytest.raises(ValueError, match="phash_weak of 5 bytes"):
+        ranked_weak(b"12345")
+    # ... and schema 5's crop windows (4 x (18 hash + 18 weak + 32 colour) bytes) still unpack.
+    from curation.windows import unpack
+
+    blob = bytes(range(4 * 18)) + legacy.tobytes() * 4 + bytes(4 * 32)
+    assert [len(w) for _, w, _ in unpack(blob, 12, 4)] == [18] * 4 and unpack(blob, 12, 4)[1][1] == legacy.tobytes()
 
 
 def test_semantic_duplicates_inside_leaves():

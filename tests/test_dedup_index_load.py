@@ -31,7 +31,7 @@ from curation.alignment import SIDE
 from curation.config import CurationConfig
 from curation.dedup import Fingerprint, matches
 from curation.filters import thumbnail
-from curation.hash_index import PROBE_RADIUS, SUBSTRING_BITS, SUBSTRINGS, WEAK_BITS, keys, probe_arrays, row_keys
+from curation.hash_index import PROBES, SUBSTRING_BITS, SUBSTRINGS, WEAK_BITS, keys, probe_arrays, row_keys
 from curation.hash_scan import SCAN_ROWS, HashIndex
 from curation.hashing import hash_int
 from curation.screening import filter_outcome
@@ -171,7 +171,7 @@ def probed(query: dict, other: dict) -> bool:
     """The full-frame probes of ``query`` reach ``other``'s full frame: one of its keys is among
     the probed values and the whole hash lies within the radius (as the index's SQL checks)."""
     distance = bin(hash_int(query["phash"]) ^ hash_int(other["phash"])).count("1")
-    values = probe_arrays(row_keys(query["phash"], CONFIG.dedup.hash_size), query["phash_weak"], PROBE_RADIUS)
+    values = probe_arrays(row_keys(query["phash"], CONFIG.dedup.hash_size), query["phash_weak"], PROBES)
     found = any(k in v for k, v in zip(row_keys(other["phash"], CONFIG.dedup.hash_size), values))
     return found and distance <= CONFIG.dedup.max_hash_distance
 
