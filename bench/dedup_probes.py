@@ -32,12 +32,12 @@ from curation.hash_index import PROBES, SUBSTRING_BITS, SUBSTRINGS, keys, probe_
 
 
 def pairs(count: int, seed: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """``(original bits, copy bits, copy margins)``: (hash_size**2,) arrays, 4 copies an original."""
+    """``(original bits, copy bits, copy margins)`` of dedup_scale's planted copies: (hash_size**2,) arrays."""
     from PIL import Image
 
     from curation.filters import thumbnail
     from curation.hashing import perceptual_hash_margins
-    from curation.synthetic import copy_of, layout, natural, photo
+    from dedup_scale import fingerprinted_pairs
 
     config = CurationConfig()
     side = config.dedup.hash_size ** 2
@@ -48,18 +48,7 @@ def pairs(count: int, seed: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarra
         phash, margins = perceptual_hash_margins(small.convert("L"), config.dedup.hash_size)
         return np.unpackbits(np.frombuffer(phash, np.uint8))[:side], margins
 
-    rng = np.random.default_rng(seed)
-    out = []
-    for n in range((count + 3) // 4):
-        picture = photo(rng, (512, 384), layout=layout(rng)) if n % 2 else natural(rng, (512, 384), grain=4.0)
-        original = fingerprint(picture)[0]
-        crops = lambda: tuple(rng.uniform(0, 0.05, 4))  # noqa: E731
-        for copy in (copy_of(picture, crops(), 1.0, 95),
-                     copy_of(picture, (0, 0, 0, 0), float(rng.uniform(0.5, 1.0)), 95),
-                     copy_of(picture, (0, 0, 0, 0), 1.0, int(rng.integers(60, 96))),
-                     copy_of(picture, crops(), float(rng.uniform(0.5, 1.0)), int(rng.integers(60, 96)))):
-            out.append((original, *fingerprint(copy)))
-    return out[:count]
+    return fingerprinted_pairs(count, seed, fingerprint)
 
 
 def _frequency_order(hash_size: int) -> np.ndarray:

@@ -35,13 +35,30 @@ WORKER_QUERIES = 50
 """Queries each process runs for the 1/2/4-worker throughput."""
 
 
+def planted_copies(count: int, seed: int = 0) -> list[tuple[object, object]]:
+    """``(original, copy)`` images (PIL, or encoded bytes for the JPEG kinds), 4 copies an original:
+    crops <= 5% a side, a resize to 50-100%, JPEG q60-95, all three."""
+    from curation.synthetic import copy_of, layout, natural, photo
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in range((count + 3) // 4):
+        picture = photo(rng, (512, 384), layout=layout(rng)) if n % 2 else natural(rng, (512, 384), grain=4.0)
+        crops = lambda: tuple(rng.uniform(0, 0.05, 4))  # noqa: E731
+        for copy in (copy_of(picture, crops(), 1.0, 95),
+                     copy_of(picture, (0, 0, 0, 0), float(rng.uniform(0.5, 1.0)), 95),
+                     copy_of(picture, (0, 0, 0, 0), 1.0, int(rng.integers(60, 96))),
+                     copy_of(picture, crops(), float(rng.uniform(0.5, 1.0)), int(rng.integers(60, 96)))):
+            out.append((picture, copy))
+    return out[:count]
+
+
 def real_pairs(count: int, seed: int = 0) -> list[tuple[bytes, bytes, bytes]]:
-    """``(original phash, copy phash, copy weak bits)`` of ``count`` copies, 4 per original."""
+    """``(original phash, copy phash, copy weak bits)`` of ``count`` :func:`planted_copies`."""
     from PIL import Image
 
     from curation.filters import thumbnail
     from curation.screening import filter_outcome
-    from curation.synthetic import copy_of, layout, natural, photo
 
     config = CurationConfig()
 
@@ -51,18 +68,19 @@ def real_pairs(count: int, seed: int = 0) -> list[tuple[bytes, bytes, bytes]]:
         values = filter_outcome({"id": 0}, small, config).values
         return values["phash"], values["phash_weak"]
 
-    rng = np.random.default_rng(seed)
+    return fingerprinted_pairs(count, seed, fingerprint)
+
+
+def fingerprinted_pairs(count: int, seed: int, fingerprint) -> list[tuple]:
+    """``(fingerprint(original)[0], *fingerprint(copy))`` of each of :func:`planted_copies` (each
+    original fingerprinted once)."""
+    originals: dict[int, object] = {}
     pairs = []
-    for n in range((count + 3) // 4):
-        picture = photo(rng, (512, 384), layout=layout(rng)) if n % 2 else natural(rng, (512, 384), grain=4.0)
-        original = fingerprint(picture)[0]
-        crops = lambda: tuple(rng.uniform(0, 0.05, 4))  # noqa: E731
-        for copy in (copy_of(picture, crops(), 1.0, 95),
-                     copy_of(picture, (0, 0, 0, 0), float(rng.uniform(0.5, 1.0)), 95),
-                     copy_of(picture, (0, 0, 0, 0), 1.0, int(rng.integers(60, 96))),
-                     copy_of(picture, crops(), float(rng.uniform(0.5, 1.0)), int(rng.integers(60, 96)))):
-            pairs.append((original, *fingerprint(copy)))
-    return pairs[:count]
+    for picture, copy in planted_copies(count, seed):  # the list keeps every picture alive: ids stay unique
+        if id(picture) not in originals:
+            originals[id(picture)] = fingerprint(picture)[0]
+        pairs.append((originals[id(picture)], *fingerprint(copy)))
+    return pairs
 
 
 def _load(conn, hashes: np.ndarray, hash_size: int) -> None:

@@ -51,8 +51,16 @@ SERVER_FILES = frozenset({
 })
 
 
+# The servers' files that use the real ComfyUI (the ``comfyui`` fixture), last in their unit: on a fresh
+# machine .ci/run builds the harness in the background (2-3 min) while the app's files run first; in
+# alphabetical order the first ComfyUI test waited 179 s for it with its worker idle.
+HARNESS_LAST = ("test_finetune_lora_bases.py", "test_finetune_lycoris.py", "test_speed_knobs.py",
+                "test_comfyui_server.py", "test_comfyui_references.py")
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    rank.update({name: len(SLOW_FIRST) + 1 + i for i, name in enumerate(HARNESS_LAST)})
     items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: file order kept otherwise
 
 
