@@ -189,12 +189,13 @@ class DedupJob:
             try:
                 with conn.transaction():
                     self._place(conn, rows)
+                    # In the same transaction: a worker killed after the commit has no claim left open.
+                    warehouse.release_log("dedup", [r["id"] for r in rows], "done")
                 break
             except psycopg.errors.DeadlockDetected:
                 if attempt == self.RETRIES - 1:
                     raise
                 time.sleep(random.uniform(0, 0.01 * min(attempt + 1, 20)))  # de-synchronise the retries
-        warehouse.release_log("dedup", [r["id"] for r in rows], "done")
 
     @staticmethod
     def _placed(conn, image_id: int) -> int | None:
