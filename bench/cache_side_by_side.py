@@ -13,6 +13,9 @@ the final packed latents (``callback_on_step_end``, before decoding) of the same
   to 512 tokens, which changes cache-dit's residual statistics, so the check passes prompt embeddings):
   ours with ``batch_cfg=False`` (separate CFG calls, like diffusers') must match diffusers + cache-dit
   closely; ours batched decides for both branches at once, so it may cache other steps.
+* :func:`forward_parity`: one transformer forward of each on identical inputs, both against ours in
+  float32: whether a difference of the final latents is the low precision's rounding (each as far from
+  float32 as the other) or a defect (one far from float32).
 * :func:`compile_check`: ``compile_blocks`` vs eager on the same pipeline (``torch.compiler.set_stance``),
   across calls with CFG on and off and two prompt lengths: max difference, wall ratio, and the frames
   compiled by the first call of each layout and by every later call (recompilations).
@@ -125,6 +128,24 @@ def peer_check(ours, theirs, call: dict, **cache) -> dict:
                         "steps_counted": summary.accumulated_executed_steps}
     return {"rel_diff_separate": relative_diff(out["ours_separate"], out["diffusers"]),
             "rel_diff_batched": relative_diff(out["ours_batched"], out["diffusers"]), "cache_dit": stats}
+
+
+def forward_parity(ours, theirs, call: dict) -> dict:
+    """One conditional forward of ``ours`` and ``theirs`` (transformers in a low precision, same weights)
+    at t = 0.5 on ``call``'s noise and prompt embeddings, and of ours cast to float32 in place (it stays
+    float32: run this last). Relative differences ``||a - b|| / ||b||``."""
+    from krea2_diffusers.latents import position_ids
+
+    latents, embeds = call["latents"], call["prompt_embeds"]
+    grid = int(round(latents.shape[1] ** 0.5))
+    inputs = dict(hidden_states=latents.to(embeds.dtype), encoder_hidden_states=embeds, timestep=torch.full((1,), 0.5, device=latents.device),
+                  position_ids=position_ids(embeds.shape[1], grid, grid, latents.device),
+                  encoder_attention_mask=call["prompt_embeds_mask"], return_dict=False)
+    low_ours, low_theirs = (model(**inputs)[0].float() for model in (ours, theirs))
+    reference = ours.float()(**{k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+                                for k, v in inputs.items()})[0]
+    return {"ours_vs_diffusers": relative_diff(low_ours, low_theirs), "ours_vs_float32": relative_diff(low_ours, reference),
+            "diffusers_vs_float32": relative_diff(low_theirs, reference)}
 
 
 def prompt_variants(call: dict) -> dict:

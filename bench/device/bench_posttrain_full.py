@@ -64,11 +64,12 @@ def grpo_iteration(model, reference, optimizer, args, device, dtype) -> None:
     n = args.prompts * args.group_size
     embeds, mask = _text(args.config, n, args.text_len, device, dtype)
     times = schedule(args.steps, args.resolution, args.resolution)
-    text = text_inputs(model, embeds, mask, args.resolution, args.resolution, reuse=True)
     generator = torch.Generator().manual_seed(0)
     noise = initial_noise(n, 64, args.resolution, args.resolution, generator).to(device)
     explore = list(range(args.sde_steps))
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        # Under autocast like every forward of the trainer (the text fusion's norms stay float32).
+        text = text_inputs(model, embeds, mask, args.resolution, args.resolution, reuse=True)
         rollout = sde_rollout(model, text, noise, times, explore, 0.7, generator)
         advantages = group_advantages(torch.rand(n, generator=generator, dtype=torch.float64), args.group_size).float().to(device)
         for k, (t, t_next) in enumerate(rollout.times):
@@ -178,12 +179,14 @@ def main() -> int:
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
     args.config = TINY_CONFIG if args.tiny else FULL_CONFIG
+    # The forward precision of the reference's passes (the trainer's runtime.autocast; bf16 on a GPU).
+    precision = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     if args.tiny:
         args.resolution, args.text_len, args.steps = 64, 8, 4
     rows = []
     if args.only in (None, "grpo"):
         model = build_model(args.config, device, dtype)
-        reference = Reference()
+        reference = Reference(precision)
         params = add_lora(model, LoRAConfig(rank=args.rank, alpha=float(args.rank)))
         model.enable_gradient_checkpointing()
         optimizer = make_optimizer(params, OptimizerConfig(learning_rate=1e-4))
@@ -198,7 +201,7 @@ def main() -> int:
             params = add_lora(base, LoRAConfig(rank=args.rank, alpha=float(args.rank)), adapter_names=("default", "fake"))
             base.enable_gradient_checkpointing()
             base.train()
-            reference = Reference()
+            reference = Reference(precision)
             student, fake = _adapter(base, "default", params), _adapter(base, "fake", params)
             teacher = lambda **inputs: (reference(base, **{k: v for k, v in inputs.items() if k != "return_dict"}),)
             optimizer = make_optimizer(params, OptimizerConfig(learning_rate=1e-5))

@@ -88,7 +88,8 @@ def build(config: dict, fmt: str, device: torch.device) -> nn.Module:
     return model.eval()
 
 
-def inputs(config: dict, resolution: int, text_len: int, batch: int, device) -> dict:
+def inputs(config, resolution: int, text_len: int, batch: int, device) -> dict:
+    """Random inputs for a model of ``config`` (the built model's config: FULL_CONFIG is empty)."""
     grid = resolution // PIXELS_PER_TOKEN
     n = grid * grid
     in_channels, layers, width = config["in_channels"], config["num_text_layers"], config["text_hidden_dim"]
@@ -114,7 +115,7 @@ def bench(fmt: str, config: dict, args, device) -> dict:
     sync(device)
     build_s = time.perf_counter() - start
     weights = resident_bytes(model)
-    batch = inputs(config, args.resolution, args.text_len, args.batch, device)
+    batch = inputs(model.config, args.resolution, args.text_len, args.batch, device)
     with torch.inference_mode():
         for _ in range(args.warmup):
             model(**batch)
