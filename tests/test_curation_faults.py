@@ -187,6 +187,44 @@ def test_sixteen_workers_four_killed(server, tmp_path):
     assert open_claims >= 4  # every victim held at least one row when it was killed
 
 
+def test_dedup_batch_commits_its_claim_log_release_with_its_rows(server, tmp_path, monkeypatch):
+    """A dedup worker that dies between placing its batch and closing its claim-log entries leaves
+    either both (rows placed, claims released: one transaction) or neither; CI once saw a placed row
+    whose claim stayed open, the release having run after the commit."""
+    from curation.config import load_config
+    from curation.dedup import DedupJob
+    from curation.warehouse import Warehouse, open_warehouse
+
+    dsn = database(server, "dedup_release")
+    _small_corpus(tmp_path / "corpus", 16, copy_every=4)
+    assert krea2(["curate", "init", "--dsn", dsn]) == 0
+    assert krea2(["curate", "ingest", str(tmp_path / "corpus"), "--dsn", dsn]) == 0
+    config = tmp_path / "curate.yaml"
+    config.write_text(FAST_QUEUE + "filter: {min_side: 32}\n")
+    assert krea2(["curate", "run", "--dsn", dsn, "--jobs", "probe,filter", "--workers", "1", "--config", str(config),
+                  "--no-progress"]) == 0
+
+    class Killed(BaseException):  # what a SIGKILL leaves: nothing after this point runs
+        pass
+
+    def die(self, job, ids, outcome):
+        raise Killed
+
+    with open_warehouse(dsn=dsn) as warehouse:
+        warehouse.log_claims = True
+        rows = warehouse.claim("dedup", 16)
+        assert rows
+        monkeypatch.setattr(Warehouse, "release_log", die)
+        try:
+            DedupJob(load_config(config).dedup).run(warehouse, rows)
+        except Killed:
+            pass
+    ids = [r["id"] for r in rows]
+    placed = query(dsn, "SELECT id FROM images WHERE id = ANY(%s) AND dedup_done_at IS NOT NULL", (ids,))
+    open_claims = query(dsn, "SELECT image_id FROM claim_log WHERE job = 'dedup' AND released_at IS NULL")
+    assert placed == [] and len(open_claims) == len(ids), (placed, open_claims)
+
+
 def _shard_rows(dsn: str, fingerprints: list[tuple], start: int) -> None:
     """Rows that passed probe and filter, with the given (md5, phash, weak, colour, thumbnail, side)
     and the index keys the filter job writes with them."""
