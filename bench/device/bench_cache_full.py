@@ -121,19 +121,27 @@ def main(argv=None) -> int:
     config = tiny_transformer_config() if args.tiny else {}  # the class defaults are the released model
     ours, theirs = pipelines(config, device, dtype)
     call = call_for(config, args, device, dtype)
+    def emit(result: dict) -> None:
+        # Written after each part: a run stopped at its time cap keeps the parts it finished.
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2))
+
     with torch.inference_mode():
         result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "size": args.size,
                   "steps": args.steps, "guidance": args.guidance, "text_len": args.text_len,
-                  **compare(ours, theirs, call, args.repeats), "peer_check": peer_check(ours, theirs, call)}
+                  **compare(ours, theirs, call, args.repeats)}
+        emit(result)
+        result["peer_check"] = peer_check(ours, theirs, call)
+        emit(result)
         if not args.no_compile:
             variants = {"cfg": call, "no_cfg": dict(call, guidance_scale=0.0),
                         "cfg_long_prompt": call_for(config, args, device, dtype, text_len=2 * args.text_len)}
             result["compile"] = compile_check(ours, variants, args.repeats)
+            emit(result)
         # Last: it leaves ours in float32 (at full size 51 GB beside diffusers' 26 GB bf16).
         result["forward_parity"] = forward_parity(ours.transformer, theirs.transformer, call)
+        emit(result)
     print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
     return 0
 
 

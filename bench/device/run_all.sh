@@ -37,11 +37,11 @@ part="${1:-1}"
 if [ "$part" = 1 ]; then
   # Most telling first: ours against diffusers + cache-dit at 1024 px (and one forward of each
   # against float32), then the weight formats built on the GPU, then training.
-  run 260 bench_cache_full --steps 20 --json "$out/cache_full.json"
+  run 290 bench_cache_full --steps 20 --json "$out/cache_full.json"
   run 70 bench_quant_full --formats bf16,Q8_0,Q4_K --warmup 1 --steps 3
-  run 75 bench_train_full --warmup 1 --steps 3
-  run 55 bench_posttrain_full --repeats 1
-  run 60 bench_pretrain_full --steps 3 --warmup 1
+  run 65 bench_train_full --warmup 1 --steps 3
+  run 45 bench_posttrain_full --repeats 1
+  run 50 bench_pretrain_full --steps 3 --warmup 1
 else
   run 150 bench_quant_full --formats fp8,nf4 --warmup 1 --steps 3
   run 120 bench_lora_quantized_full --warmup 1 --steps 3
