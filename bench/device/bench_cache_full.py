@@ -121,6 +121,7 @@ def main(argv=None) -> int:
     config = tiny_transformer_config() if args.tiny else {}  # the class defaults are the released model
     ours, theirs = pipelines(config, device, dtype)
     call = call_for(config, args, device, dtype)
+
     def emit(result: dict) -> None:
         # Written after each part: a run stopped at its time cap keeps the parts it finished.
         if args.json:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import sys
 import time
@@ -55,6 +56,11 @@ def _text(config: dict, batch: int, text_len: int, device, dtype) -> tuple[torch
     return torch.randn(batch, text_len, layers, dim, device=device, dtype=dtype), torch.ones(batch, text_len, dtype=torch.bool, device=device)
 
 
+def autocast(device):
+    """Every forward's precision (the trainer's ``runtime.autocast``): bf16 on a GPU, off on the CPU."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -67,7 +73,7 @@ def grpo_iteration(model, reference, optimizer, args, device, dtype) -> None:
     generator = torch.Generator().manual_seed(0)
     noise = initial_noise(n, 64, args.resolution, args.resolution, generator).to(device)
     explore = list(range(args.sde_steps))
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+    with autocast(device):
         # Under autocast like every forward of the trainer (the text fusion's norms stay float32).
         text = text_inputs(model, embeds, mask, args.resolution, args.resolution, reuse=True)
         rollout = sde_rollout(model, text, noise, times, explore, 0.7, generator)
@@ -106,7 +112,7 @@ def tdm_step(student, fake, teacher, optimizer, args, device, dtype) -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+    with autocast(device):
         with torch.no_grad():
             for i in range(k):
                 latents = sampling.euler_step(latents, velocity(student, latents, times[i], cond), times[i], times[i + 1])
@@ -179,8 +185,7 @@ def main() -> int:
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
     args.config = TINY_CONFIG if args.tiny else FULL_CONFIG
-    # The forward precision of the reference's passes (the trainer's runtime.autocast; bf16 on a GPU).
-    precision = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    precision = functools.partial(autocast, device)  # the reference's passes, as every other forward
     if args.tiny:
         args.resolution, args.text_len, args.steps = 64, 8, 4
     rows = []
