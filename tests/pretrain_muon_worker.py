@@ -1,6 +1,5 @@
 """Run by tests/test_pretrain_recipe.py under torchrun (2 processes, gloo): GatheredMuon on FSDP2
-shards must give the weights torch.optim.Muon gives on the whole matrices in one process, each
-process orthogonalising its share of the matrices (here one of the two, each step)."""
+shards must give the weights torch.optim.Muon gives on the whole matrices in one process."""
 
 import sys
 
@@ -32,7 +31,6 @@ def main() -> int:
         reference(x).pow(2).mean().backward()
         ours.step(), theirs.step()
         ours.zero_grad(), theirs.zero_grad()
-    assert ours.orthogonalised == 3, f"rank {dist.get_rank()} orthogonalised {ours.orthogonalised} of 6 matrices"
     for (name, p), q in zip(sharded.named_parameters(), reference.parameters()):
         assert p.to_local().shape[0] < q.shape[0], f"{name} is not sharded"
         torch.testing.assert_close(p.full_tensor(), q, rtol=0, atol=1e-12, msg=name)

@@ -95,16 +95,10 @@ class GatheredMuon(torch.optim.Muon):
     """``torch.optim.Muon`` whose orthogonalisation sees whole matrices under FSDP2.
 
     Momentum and the Nesterov blend are element-wise, so they run on each process's shard; only
-    the Newton-Schulz step needs the whole matrix: a sharded (DTensor) update is gathered, and the
-    matrices are dealt round-robin over the processes of a one-dimensional mesh: each process
-    orthogonalises its share and scatters every result's rows from its owner (measured on one H200:
-    orthogonalising every matrix doubled a 5.9B model's step at batch 32, so doing all of them on every
-    process would cost that on each). On plain tensors this is exactly torch's step (same private
-    helpers), which the tests check.
+    the Newton-Schulz step needs the whole matrix: a sharded (DTensor) update is gathered, every
+    process orthogonalises the same matrix and keeps its own rows. On plain tensors this is
+    exactly torch's step (same private helpers), which the tests check.
     """
-
-    orthogonalised = 0
-    """Newton-Schulz runs in this process since it was built (the tests count each process's share)."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -112,7 +106,6 @@ class GatheredMuon(torch.optim.Muon):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        dealt = 0  # the sharded matrices seen this step, in the same order on every process
         for group in self.param_groups:
             lr, momentum = group["lr"], group["momentum"]
             for param in group["params"]:
@@ -124,39 +117,21 @@ class GatheredMuon(torch.optim.Muon):
                 buf = state["momentum_buffer"]
                 buf.lerp_(param.grad, 1 - momentum)
                 update = param.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                if hasattr(update, "full_tensor"):
-                    update, mine = _orthogonalise_sharded(update, group, dealt)
-                    dealt += 1
-                else:
-                    update, mine = _orthogonalise(update, group), True
-                self.orthogonalised += mine
+                update = _orthogonalise(update, group)
                 param.mul_(1 - lr * group["weight_decay"])
                 param.add_(update, alpha=-muon_lr(lr, group["adjust_lr_fn"], param.shape))
         return loss
 
 
 def _orthogonalise(update: torch.Tensor, group: dict) -> torch.Tensor:
-    return newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
-
-
-def _orthogonalise_sharded(update, group: dict, index: int):
-    """A DTensor update orthogonalised whole, by one process: the ``index``-th sharded matrix of the
-    step belongs to process ``index % size`` of a one-dimensional mesh (every process, on a larger
-    mesh). Returns (the update with this process's placement, whether this process ran it)."""
+    args = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+    if not hasattr(update, "full_tensor"):
+        return newton_schulz(update, *args)
     from torch.distributed.tensor import distribute_tensor
 
-    mesh = update.device_mesh
-    whole = update.full_tensor()  # a collective: every process gathers
-    if mesh.ndim != 1:
-        # Every process holds the same result: cut out the local shard without communication.
-        return distribute_tensor(_orthogonalise(whole, group).to(update.dtype), mesh, update.placements,
-                                 src_data_rank=None), True
-    owner = index % mesh.size()
-    mine = mesh.get_local_rank() == owner
-    if mine:
-        whole = _orthogonalise(whole, group).to(update.dtype)
-    # The owner's result, each process's rows scattered from it (the others' ``whole`` is not read).
-    return distribute_tensor(whole, mesh, update.placements, src_data_rank=owner), mine
+    whole = newton_schulz(update.full_tensor(), *args).to(update.dtype)
+    # Every process holds the same `whole`: cut out the local shard without communication.
+    return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
 
 
 def make_optimizers(model: nn.Module, config: PretrainOptimizerConfig) -> tuple[list[torch.optim.Optimizer], ParameterSplit]:
