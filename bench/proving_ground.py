@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -206,7 +207,7 @@ def autoencoder(splits, settings: Settings, seeds, out: Path, judge, device: str
                      "judge_accuracy_originals": judge.heldout_accuracy}
 
 
-def base_stages(stages, settings: Settings, seeds, base_dir: Path, pre: tuple[int, float], chosen: dict) -> tuple[list, dict]:
+def base_stages(stages, *, settings: Settings, seeds, base_dir: Path, pre: tuple[int, float], chosen: dict) -> tuple[list, dict]:
     """base_nocfg, base, the teachers, the CFG sweep (``samples/base_cfg/<g>/``) and the scratch
     transformer. Returns (the sweep [{"guidance", "accuracy", "fd", "diversity"}], the untrained row)."""
     import torch
@@ -246,44 +247,42 @@ def base_stages(stages, settings: Settings, seeds, base_dir: Path, pre: tuple[in
     return sweep, untrained
 
 
-def concept_loras(stages, settings: Settings, seeds, splits, base_dir: Path, log: Path, clock: Clock) -> dict:
-    """The tuned concept LoRA, the user's-config one and its EMA twin, each with the trigger (CFG), without
-    it (CFG and guidance 0). Returns the concept scores per stage: {"red_share": mean red share of ink,
-    "redness": mean R - max(G, B) of ink (:func:`proving.digits.redness`)}."""
+def concept_lora(stages, *, settings: Settings, seeds, splits, base_dir: Path, log: Path, name: str) -> dict:
+    """One concept LoRA (``lora``: the tuned config; ``lora_default``: a user's config; ``lora_ema``: the
+    same with EMA), sampled with the trigger (CFG), without it (CFG and guidance 0). Returns the concept
+    scores per stage: {"red_share": mean red share of ink, "redness": mean R - max(G, B) of ink
+    (:func:`proving.digits.redness`)}."""
     from proving import digits
     from proving.lora import TRIGGER, run_lora, run_user_lora
     from proving.sampling import load_pipeline
 
     out, S, G = stages.out, settings.sampling_steps, settings.guidance
-    runs = (("lora", lambda f, w: run_lora(dataclasses.replace(settings.lora, seed=seeds.lora), splits, base_dir, w, f,
-                                           device=stages.device, log=log), settings.lora.steps),
-            ("lora_default", lambda f, w: run_user_lora(settings.lora_user, splits, base_dir, w, f, seeds.lora, ema=False,
-                                                        device=stages.device, log=log), settings.lora_user.steps),
-            ("lora_ema", lambda f, w: run_user_lora(settings.lora_user, splits, base_dir, w, f, seeds.lora, ema=True,
-                                                    device=stages.device, log=log), settings.lora_user.steps))
+    if name == "lora":
+        steps = settings.lora.steps
+        train = lambda f, w: run_lora(dataclasses.replace(settings.lora, seed=seeds.lora), splits, base_dir, w, f,  # noqa: E731
+                                      device=stages.device, log=log)
+    else:
+        steps = settings.lora_user.steps
+        train = lambda f, w: run_user_lora(settings.lora_user, splits, base_dir, w, f, seeds.lora,  # noqa: E731
+                                           ema=name == "lora_ema", device=stages.device, log=log)
     scores = {}
-    for name, train, steps in runs:
-        start = time.perf_counter()
-        lora_file = out / "models" / name / "lora_diffusers.safetensors"
-        seconds = train(lora_file, out / "work" / name).seconds if not lora_file.exists() else None
-        pipe = load_pipeline(base_dir, stages.device, lora=lora_file)
-        for stage, trigger, guidance in ((name, TRIGGER, G), (f"{name}_off", None, G), (f"{name}_off_nocfg", None, 0.0)):
-            images, labels = stages.run(stage, pipe, STAGE_WHAT[stage], steps, seconds, S, guidance, trigger=trigger)
-            stages.rows[stage]["concept"] = float(digits.shows_red_ink(images).mean())
-            scores[stage] = {"red_share": float(digits.red_ink_share(images).mean()),
-                             "redness": float(digits.redness(images).mean())}
-        del pipe
-        clock.phase(f"{name} (krea2 train) + samples", time.perf_counter() - start)
+    lora_file = out / "models" / name / "lora_diffusers.safetensors"
+    seconds = train(lora_file, out / "work" / name).seconds if not lora_file.exists() else None
+    pipe = load_pipeline(base_dir, stages.device, lora=lora_file)
+    for stage, trigger, guidance in ((name, TRIGGER, G), (f"{name}_off", None, G), (f"{name}_off_nocfg", None, 0.0)):
+        images, labels = stages.run(stage, pipe, STAGE_WHAT[stage], steps, seconds, S, guidance, trigger=trigger)
+        stages.rows[stage]["concept"] = float(digits.shows_red_ink(images).mean())
+        scores[stage] = {"red_share": float(digits.red_ink_share(images).mean()),
+                         "redness": float(digits.redness(images).mean())}
     return scores
 
 
-def edit_stage(stages, settings: Settings, seeds, splits, base_dir: Path, log: Path, clock: Clock) -> dict:
+def edit_stage(stages, *, settings: Settings, seeds, splits, base_dir: Path, log: Path) -> dict:
     """The edit LoRA on pairs: trained, then applied to held-out scans (``samples/edit`` beside
     ``samples/edit_source``); its measures."""
     from proving import edit
     from proving.sampling import load_pipeline, save_samples
 
-    start = time.perf_counter()
     spec, out = settings.edit, stages.out
     lora_file = out / "models" / "edit" / "lora_diffusers.safetensors"
     seconds = None
@@ -302,54 +301,93 @@ def edit_stage(stages, settings: Settings, seeds, splits, base_dir: Path, log: P
               **edit.measure(stages.judge, outputs, splits.heldout[sources], splits.heldout[others], labels)}
     print(f"[proving ground] edit: concept {result['concept']:.3f}, accuracy {result['accuracy']:.3f}, IoU with the "
           f"source {result['iou_source']:.3f} vs another scan {result['iou_other']:.3f}", flush=True)
-    clock.phase("edit (krea2 train on pairs) + samples", time.perf_counter() - start)
     return result
 
 
-def post_training(stages, settings: Settings, seeds, base_dir: Path, reward_path: Path, sweep: list, base_point: dict,
-                  quick: bool, log: Path, clock: Clock) -> dict:
-    """DPO, GRPO, DRaFT: trained, every kept checkpoint on a curve (selection seeds), the one the rule
-    chooses published and sampled (report seeds) with its frontier FD; then the TDM student. Returns the curves."""
+def post_train(stages, *, settings: Settings, seeds, base_dir: Path, reward_path: Path, base_point: dict, quick: bool,
+               log: Path, stage: str) -> dict:
+    """DPO, GRPO or DRaFT (``stage``): trained, every kept checkpoint on a curve (selection seeds).
+    Returns {"steps", "seconds", "curve"}; :func:`publish_post_trained` chooses among them."""
     from proving import curves, posttraining
+    from proving.sampling import load_pipeline
+
+    work = stages.out / "work" / "posttrain"
+    common = dict(resolution=RESOLUTION, sampling_steps=settings.sampling_steps, seed=seeds.posttrain, reward=reward_path)
+    if stage == "dpo":
+        result = posttraining.run_dpo(base_dir, work, quick, stages.device, **common, pool_seed=seeds.dpo_pool,
+                                      guided_seed=seeds.dpo_guided)
+    else:
+        result = {"grpo": posttraining.run_grpo, "draft": posttraining.run_draft}[stage](base_dir, work, quick, stages.device,
+                                                                                         **common)
+    curve = curves.evaluate_run(load_pipeline(base_dir, stages.device), result.model_dir, work / f"{stage}_checkpoints",
+                                stages.judge, reward_path, per_digit=stages.per_digit, steps=settings.sampling_steps,
+                                seed=seeds.select, resolution=RESOLUTION, base_point=base_point, log=log)
+    return {"steps": result.steps, "seconds": result.seconds, "curve": curve}
+
+
+def publish_post_trained(stages, settings: Settings, base_dir: Path, sweep: list, stage: str, trained: dict) -> None:
+    """The checkpoint the stated rule chooses on ``trained["curve"]`` (against the CFG ``sweep``):
+    published to ``DIR/models/<stage>``, sampled at the report's seeds, its row with the frontier FD."""
+    from proving import curves
     from proving.frontier import choose_checkpoint, frontier_fd
     from proving.sampling import load_pipeline
 
-    out, S, G, work = stages.out, settings.sampling_steps, settings.guidance, stages.out / "work" / "posttrain"
-    common = dict(resolution=RESOLUTION, sampling_steps=S, seed=seeds.posttrain)
-    runs = (("dpo", lambda: posttraining.run_dpo(base_dir, work, quick, stages.device, reward=reward_path, **common,
-                                                 pool_seed=seeds.dpo_pool, guided_seed=seeds.dpo_guided)),
-            ("grpo", lambda: posttraining.run_grpo(base_dir, work, quick, stages.device, reward=reward_path, **common)),
-            ("draft", lambda: posttraining.run_draft(base_dir, work, quick, stages.device, reward=reward_path, **common)))
-    found = {}
-    for stage, run in runs:
-        start = time.perf_counter()
-        result = run()
-        pipe = load_pipeline(base_dir, stages.device)
-        curve = curves.evaluate_run(pipe, result.model_dir, work / f"{stage}_checkpoints", stages.judge, reward_path,
-                                    per_digit=stages.per_digit, steps=S, seed=seeds.select, resolution=RESOLUTION,
-                                    base_point=base_point, log=log)
-        choice = choose_checkpoint(curve, sweep)
-        lora = curves.publish(work / f"{stage}_checkpoints" / f"step-{choice['step']}" / curves.LORA_FILE,
-                              out / "models" / stage)
-        pipe.load_lora_weights(str(lora))
-        images, labels = stages.run(stage, pipe, STAGE_WHAT[stage] + f" (step-{choice['step']})", result.steps,
-                                    result.seconds, S, 0.0)
-        del pipe
-        row = stages.rows[stage]
-        frontier = frontier_fd(sweep, row["accuracy"])
-        row.update(frontier_fd=frontier["fd"], frontier_reached=frontier["reached"], checkpoint=choice)
-        found[stage] = curve
-        clock.phase(stage, time.perf_counter() - start)
-    start = time.perf_counter()
-    result = posttraining.run_distill(base_dir, work, quick, stages.device, resolution=RESOLUTION, teacher_guidance=G,
-                                      models_dir=out / "models", seed=seeds.posttrain)
+    work = stages.out / "work" / "posttrain"
+    choice = choose_checkpoint(trained["curve"], sweep)
+    lora = curves.publish(work / f"{stage}_checkpoints" / f"step-{choice['step']}" / curves.LORA_FILE,
+                          stages.out / "models" / stage)
+    pipe = load_pipeline(base_dir, stages.device)
+    pipe.load_lora_weights(str(lora))
+    images, labels = stages.run(stage, pipe, STAGE_WHAT[stage] + f" (step-{choice['step']})", trained["steps"],
+                                trained["seconds"], settings.sampling_steps, 0.0)
+    row = stages.rows[stage]
+    frontier = frontier_fd(sweep, row["accuracy"])
+    row.update(frontier_fd=frontier["fd"], frontier_reached=frontier["reached"], checkpoint=choice)
+
+
+def student(stages, *, settings: Settings, seeds, base_dir: Path, quick: bool) -> None:
+    """The TDM student (``krea2 posttrain distill``), sampled at 4 steps, guidance 0."""
+    from proving import posttraining
+    from proving.sampling import load_pipeline
+
+    result = posttraining.run_distill(base_dir, stages.out / "work" / "posttrain", quick, stages.device,
+                                      resolution=RESOLUTION, teacher_guidance=settings.guidance,
+                                      models_dir=stages.out / "models", seed=seeds.posttrain)
     stages.run("student_4", load_pipeline(result.model_dir, stages.device), STAGE_WHAT["student_4"], result.steps,
                result.seconds, 4, 0.0)
-    clock.phase("student_4", time.perf_counter() - start)
-    return found
 
 
-def run_all(out: Path, settings: Settings, quick: bool, device: str, json_path, clock: Clock, seed: int = 0) -> dict:
+def after_base(stages, settings: Settings, seeds, splits, base_dir: Path, reward_path: Path, base_point: dict,
+               pre: tuple[int, float], chosen: dict, quick: bool, log: Path, clock: Clock, workers: int) -> dict:
+    """Every stage that needs only the base (:mod:`proving.parallel`: on ``workers`` processes), then the
+    post-trained checkpoints chosen against the CFG sweep. Returns {"sweep", "untrained", "concept_scores",
+    "edit", "curves"}."""
+    from proving.parallel import Task, run_tasks
+
+    common = dict(settings=settings, seeds=seeds, base_dir=base_dir)
+    post = dict(common, reward_path=reward_path, base_point=base_point, quick=quick, log=log)
+    lora = dict(common, splits=splits, log=log)
+    # Longest first (measured on the full run), so two workers end close together.
+    tasks = [Task("grpo", post_train, dict(post, stage="grpo")), Task("draft", post_train, dict(post, stage="draft")),
+             Task("dpo", post_train, dict(post, stage="dpo")),
+             Task("lora_default", concept_lora, dict(lora, name="lora_default")),
+             Task("lora_ema", concept_lora, dict(lora, name="lora_ema")), Task("lora", concept_lora, dict(lora, name="lora")),
+             Task("student_4", student, dict(common, quick=quick)), Task("edit", edit_stage, lora),
+             Task("base", base_stages, dict(settings=settings, seeds=seeds, base_dir=base_dir, pre=pre, chosen=chosen))]
+    done = run_tasks(tasks, stages, workers, lambda name, d: clock.phase(name, d.seconds),
+                     width=ARCHITECTURE["num_attention_heads"] * ARCHITECTURE["attention_head_dim"] if stages.device == "cpu"
+                     else None, in_process=quick)
+    sweep, untrained = done["base"].value
+    curves = {}
+    for stage in ("dpo", "grpo", "draft"):
+        publish_post_trained(stages, settings, base_dir, sweep, stage, done[stage].value)
+        curves[stage] = done[stage].value["curve"]
+    return {"sweep": sweep, "untrained": untrained, "edit": done["edit"].value, "curves": curves,
+            "concept_scores": {k: v for name in ("lora", "lora_default", "lora_ema") for k, v in done[name].value.items()}}
+
+
+def run_all(out: Path, settings: Settings, quick: bool, device: str, json_path, clock: Clock, seed: int = 0,
+            workers: int = 1) -> dict:
     """Every stage in order; returns the JSON summary (also written by the report)."""
     from proving import digits, report
     from proving.curves import reward_mean
@@ -388,15 +426,14 @@ def run_all(out: Path, settings: Settings, quick: bool, device: str, json_path, 
                                    vae_dir, settings.sampling_steps, settings.min_posttrain_error, seeds.select, log)
     selection = (chosen.pop("selection_images"), chosen.pop("selection_labels"))
     base_point = {**judge.evaluate(*selection), "reward": reward_mean(reward.path, *selection)}
-    sweep, untrained = base_stages(stages, settings, seeds, base_dir, (pre_steps, pre_seconds), chosen)
-    clock.phase("base samples and CFG sweep", time.perf_counter() - start)
-
-    concept_scores = concept_loras(stages, settings, seeds, splits, base_dir, log, clock)
-    edit = edit_stage(stages, settings, seeds, splits, base_dir, log, clock)
-    curves = post_training(stages, settings, seeds, base_dir, reward.path, sweep, base_point, quick, log, clock)
+    clock.phase("base checkpoint (selection seeds)", time.perf_counter() - start)
+    stages_done = after_base(stages, settings, seeds, splits, base_dir, reward.path, base_point, (pre_steps, pre_seconds),
+                             chosen, quick, log, clock, workers)
+    sweep, curves = stages_done["sweep"], stages_done["curves"]
+    edit, untrained, concept_scores = stages_done["edit"], stages_done["untrained"], stages_done["concept_scores"]
 
     extra = {"seed": seed, "eval_seeds": seeds.as_dict(), "judge": blocks["judge"], "reward": blocks["reward"],
-             "cfg_sweep": sweep, "edit": edit, "total_seconds": round(clock.total, 1), "phases": clock.phases,
+             "cfg_sweep": sweep, "edit": edit, "workers": workers, "total_seconds": round(clock.total, 1), "phases": clock.phases,
              "quick": quick, "device": device, "base_checkpoint": chosen, "untrained": untrained,
              "concept_scores": concept_scores, "resolution": RESOLUTION, "trigger": TRIGGER,
              "settings": dataclasses.asdict(settings)}
@@ -414,6 +451,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", help="also write the JSON summary here (default DIR/report.json)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (every stage runs there)")
     parser.add_argument("--resume", action="store_true", help="reuse what a previous run in DIR finished")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="processes for the stages that need only the base (default: 2 on a CPU with 2+ cores, else 1)")
     return parser.parse_args(argv)
 
 
@@ -429,7 +468,11 @@ def main(argv=None) -> int:
         from krea2_diffusers.cpu_threads import choose_cpu_threads
 
         choose_cpu_threads(width=ARCHITECTURE["num_attention_heads"] * ARCHITECTURE["attention_head_dim"])
-    run_all(out, settings, quick=args.quick, device=args.device, json_path=args.json, clock=Clock(), seed=args.seed)
+    workers = args.workers if args.workers is not None else (min(2, os.cpu_count() or 1) if args.device == "cpu" else 1)
+    if workers < 1:
+        raise SystemExit(f"--workers {workers}: must be at least 1")
+    run_all(out, settings, quick=args.quick, device=args.device, json_path=args.json, clock=Clock(), seed=args.seed,
+            workers=workers)
     return 0
 
 
