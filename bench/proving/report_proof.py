@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     run_lora(spec, splits, run / "models" / "base", out, out / "lora_diffusers.safetensors", log=out / "commands.log")
     seconds = time.perf_counter() - start
     report = json.loads((out / "run" / "report.json").read_text())
-    judged = judge_checkpoints(out / "run", out / "exports", run / "models" / "base", judge, per_digit=settings.per_digit // 2,
+    judged = judge_checkpoints(out / "run", out / "exports", run / "models" / "base", judge, per_digit=settings.per_digit,
                                steps=settings.sampling_steps, guidance=settings.guidance, seed=seeds.eval,
                                resolution=pg.RESOLUTION, log=out / "commands.log")
     result = {"run": str(run), "seed": seeds.run, "every": args.every, "train_seconds": round(seconds, 1),

@@ -9,10 +9,14 @@
   a training image as that image through the VAE),
 * its ``diversity`` is at least :data:`DIVERSITY_FLOOR` of the base's (the seeds still differ).
 
-Among the admissible checkpoints the recommendation is the **earliest whose concept gain over the
-base is within** :data:`MARGIN` **of the best admissible gain**: past that point more steps buy
-little concept and only risk the leak and copying that over-training brings. A measure that was
-not taken (no prompt without the trigger, one seed, no base samples) is not checked.
+Among the admissible checkpoints the recommendation is the **one with the highest concept**: the
+harms of over-training (leak, copying, lost variety) are measured and bounded above, so nothing is
+gained by stopping short of the best measured concept. (Until issue 41's proof, the rule took the
+earliest checkpoint within 10% of the best concept gain, as a hedge against over-training; on the
+digits' LoRA, whose concept still rose at the last checkpoint, that gave up 0.07 of the judged
+concept share for no measured harm. The rule was changed after seeing seed 0's proof; on seed 1's,
+whose base no rule was chosen on, both rules pick the same checkpoint.) A measure that was not
+taken (no prompt without the trigger, one seed, no base samples) is not checked.
 
 When no checkpoint is admissible, the one that exceeds its bounds least (the smallest largest
 ``value / bound``) is named, with what it exceeds. Without trigger prompts (nothing measures the
@@ -23,13 +27,12 @@ from __future__ import annotations
 
 from .metrics import Reference
 
-MARGIN = 0.10
 LEAK_BOUND = 0.5
 COPY_BOUND = 0.9
 DIVERSITY_FLOOR = 0.5
 SHOWN = 3  # out-of-bounds checkpoints named in a reason
 
-RULE = (f"the earliest checkpoint whose concept gain over the base is within {MARGIN:.0%} of the best, among those "
+RULE = (f"the checkpoint with the highest concept, among those "
         f"with leak <= {LEAK_BOUND}, copying under {COPY_BOUND} of the way from the base to a near copy and diversity "
         f">= {DIVERSITY_FLOOR} of the base's")
 
@@ -96,10 +99,10 @@ def recommend(rows: list[dict], reference: Reference) -> dict | None:
         return {"step": best["step"], "reason": (
             f"the concept never rose above the base's ({base:.3f}); this checkpoint comes closest ({best['concept']:.3f}). "
             "Train longer, raise the learning rate, or check that the validation prompts hold the trigger.")}
-    row = next(r for r in measured if r["concept"] - base >= (1 - MARGIN) * gain)
-    reason = (f"the earliest checkpoint within the bounds whose concept gain is within {MARGIN:.0%} of the best: concept "
-              f"{row['concept']:.3f}, {(row['concept'] - base) / gain:.0%} of the best gain (step {best['step']}: "
-              f"{best['concept']:.3f}; base {base:.3f})")
+    row = best
+    later = [r for r in rows if r["step"] > row["step"]]
+    reason = (f"the checkpoint within the bounds with the highest concept: {row['concept']:.3f} (base {base:.3f})"
+              + (f", over {len(later)} later checkpoint(s) that measured less or went out of bounds" if later else ""))
     described = _describe(row, reference)
     reason += f"; {described}." if described else "."
     if refused:
