@@ -1,0 +1,28 @@
+"""Issue 39's table over seeds (bench/proving/across_seeds.py): means and ranges per stage, and which
+seeds met each gate, matched by name although each run's claim carries its own figures."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from proving.across_seeds import table  # noqa: E402
+
+
+def run(seed, accuracy, fd, met):
+    return {"seed": seed, "total_seconds": 60.0 * (40 + seed),
+            "stages": {"base": {"accuracy": accuracy, "fd": fd, "diversity": 10.0},
+                       "lora": {"accuracy": accuracy, "fd": fd, "diversity": 9.0, "concept": 0.5 + seed / 10}},
+            "edit": {"concept": 1.0, "accuracy": 0.9, "iou_source": 0.8, "iou_other": 0.4, "iou_ratio": 2.0},
+            "checks": [{"claim": f"base accuracy {accuracy} >= 0.90 and > base_nocfg {accuracy - 0.1}", "met": met},
+                       {"claim": f"lora: concept share {0.5 + seed / 10} >= 0.90", "met": False},
+                       {"claim": f"judge and reward share no training scan ({seed} shared)", "met": seed == 0}]}
+
+
+def test_means_ranges_and_gates_by_name():
+    text = table([run(0, 0.9, 100.0, True), run(1, 1.0, 120.0, False), run(2, 0.95, 110.0, True)])
+    assert "| base | 0.950 [0.900, 1.000] | 110.0 [100.0, 120.0] | 10.0 [10.0, 10.0] |  |" in text
+    assert "| lora | 0.950 [0.900, 1.000] | 110.0 [100.0, 120.0] | 9.0 [9.0, 9.0] | 0.600 [0.500, 0.700] |" in text
+    assert "| base accuracy | 0, 2 (of 3) |" in text and "| lora | none (of 3) |" in text
+    assert "| judge and reward share no training scan | 0 (of 3) |" in text
+    assert "seed 0: 40.0, seed 1: 41.0, seed 2: 42.0" in text
