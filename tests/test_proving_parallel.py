@@ -46,3 +46,58 @@ def test_a_failing_task_stops_the_run_with_its_error(tmp_path):
     tasks = [Task("ok", sample, {"name": "ok", "value": 1}), Task("bad", fail, {"message": "stage bad broke"})]
     with pytest.raises(RuntimeError, match="stage bad broke"):
         run_tasks(tasks, stages(tmp_path), 2, lambda name, d: None)
+
+
+PARENT = '''
+import sys, time
+sys.path[:0] = [{bench!r}, {here!r}]
+from proving.parallel import Task, run_tasks
+from proving.stages import Stages
+import sleeper
+stages = Stages({here!r}, judge=None, per_digit=1, resolution=8, device="cpu", eval_seed=0)
+run_tasks([Task("a", sleeper.sleep, {{"folder": {here!r}}}), Task("b", sleeper.sleep, {{"folder": {here!r}}})], stages, 2,
+          lambda name, done: None)
+'''
+SLEEPER = '''
+import os, time
+from pathlib import Path
+
+def sleep(stages, *, folder):
+    Path(folder, f"worker-{os.getpid()}").touch()
+    time.sleep(120)
+'''
+
+
+def test_killing_the_run_ends_its_workers(tmp_path):
+    """A run stopped by killing its main process alone (not its process group) leaves no worker
+    running: each would otherwise go on, and write beside the run that --resume starts."""
+    import signal
+    import subprocess
+    import time
+
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    parent = subprocess.Popen([sys.executable, "-c", PARENT.format(bench=bench, here=str(tmp_path))])
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("worker-*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    workers = [int(p.name.split("-")[1]) for p in tmp_path.glob("worker-*")]
+    assert len(workers) == 2, "the workers never started"
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        with open(f"/proc/{pid}/stat") as stat:  # a zombie waiting for init to reap it is gone too
+            return stat.read().split(") ", 1)[1][0] != "Z"
+
+    deadline = time.monotonic() + 20
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in workers if alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"workers {left} outlived the run"

@@ -10,7 +10,8 @@ list), and hands each result back as it finishes. Every task draws its randomnes
 either way (the quick run's test compares them).
 
 A worker is a fresh interpreter (``spawn``: a fork would copy torch's thread pools and any lock held at
-the fork): :func:`prepare_worker` gives it the thread rule and the in-process flag of the parent.
+the fork): :func:`prepare_worker` gives it the thread rule and the in-process flag of the parent, and
+ends it when the run's process ends (a killed run leaves nothing running).
 """
 
 from __future__ import annotations
@@ -46,10 +47,12 @@ def call(task: Task, stages) -> Done:
 
 
 def prepare_worker(width: int | None, in_process: bool) -> None:
-    """A worker's setup: the thread rule for a ``width``-wide model (None: leave torch's) and
-    :data:`proving.pretraining.IN_PROCESS`."""
+    """A worker's setup: it ends with the run's process (:mod:`proving.lifetime`), the thread rule for a
+    ``width``-wide model (None: leave torch's) and :data:`proving.pretraining.IN_PROCESS`."""
     from . import pretraining
+    from .lifetime import die_with_parent
 
+    die_with_parent()
     pretraining.IN_PROCESS = in_process
     if width is not None:
         from krea2_diffusers.cpu_threads import choose_cpu_threads

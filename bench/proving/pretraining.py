@@ -73,8 +73,10 @@ def krea2(*args: str, device: str = "cpu", log: Path | None = None) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")])}
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
+    from .lifetime import die_with_parent
+
     done = subprocess.run([sys.executable, "-m", "krea2_diffusers.cli", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, preexec_fn=die_with_parent)
     if log is not None:
         with open(log, "a") as handle:
             handle.write(f"$ krea2 {' '.join(args)}\n{done.stdout}{done.stderr}\n")
