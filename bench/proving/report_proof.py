@@ -104,7 +104,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--out {out}: not empty; choose a new folder")
     from krea2_diffusers.cpu_threads import choose_cpu_threads
 
-    choose_cpu_threads(width=pg.ARCHITECTURE["num_attention_heads"] * pg.ARCHITECTURE["attention_head_dim"])
+    choose_cpu_threads(width=pg.WIDTH)
     seeds, settings = Seeds(seed), pg.FULL
     splits = digits.load_splits(pg.RESOLUTION, seeds.split)
     judge = train_judge(splits, seed=seeds.judge, epochs=settings.judge_epochs,
