@@ -283,6 +283,7 @@ def edit_stage(stages, *, settings: Settings, seeds, splits, base_dir: Path, log
     """The edit LoRA on pairs: trained, then applied to held-out scans (``samples/edit`` beside
     ``samples/edit_source``); its measures."""
     from proving import edit
+    from proving.digits import RED_INK, render
     from proving.sampling import load_pipeline, save_samples
 
     spec, out = settings.edit, stages.out
@@ -300,9 +301,11 @@ def edit_stage(stages, *, settings: Settings, seeds, splits, base_dir: Path, log
     save_samples(out, "edit_source", splits.heldout[sources], labels)
     result = {"steps": spec.steps, "seconds": None if seconds is None else round(seconds, 1), "guidance": spec.guidance,
               "num_inference_steps": settings.sampling_steps, "instruction": edit.INSTRUCTION,
-              **edit.measure(stages.judge, outputs, splits.heldout[sources], splits.heldout[others], labels)}
+              **edit.measure(stages.judge, outputs, splits.heldout[sources], splits.heldout[others], labels,
+                             render(splits.heldout_scans[sources], RESOLUTION, RED_INK))}
     print(f"[proving ground] edit: concept {result['concept']:.3f}, accuracy {result['accuracy']:.3f}, IoU with the "
-          f"source {result['iou_source']:.3f} vs another scan {result['iou_other']:.3f}", flush=True)
+          f"source {result['iou_source']:.3f} vs another scan {result['iou_other']:.3f} ({result['iou_ratio']:.2f}x; the red-ink "
+          f"target itself: {result['target_iou_ratio']:.2f}x)", flush=True)
     return result
 
 

@@ -26,3 +26,18 @@ def test_means_ranges_and_gates_by_name():
     assert "| base accuracy | 0, 2 (of 3) |" in text and "| lora | none (of 3) |" in text
     assert "| judge and reward share no training scan | 0 (of 3) |" in text
     assert "seed 0: 40.0, seed 1: 41.0, seed 2: 42.0" in text
+
+
+def test_readme_table_is_the_committed_runs():
+    """The README's three-seed table is what across_seeds.py prints for the committed runs' JSON
+    (bench/proving/results/): its figures can be checked, and rebuilt by anyone who reruns the seeds."""
+    root = Path(__file__).resolve().parents[1]
+    runs = sorted((root / "bench" / "proving" / "results").glob("seed*.json"))
+    assert [p.name for p in runs] == ["seed0.json", "seed1.json", "seed2.json"]
+    import json
+
+    text = table([json.loads(p.read_text()) for p in runs])
+    readme = (root / "README.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| gate |")]
+    missing = [line for line in rows if line not in readme]
+    assert not missing, missing

@@ -55,6 +55,10 @@ def test_quick_run_trains_and_measures_every_stage(tmp_path):
         assert len(list((out / "samples" / stage).glob("*.png"))) == 10 * per_digit, stage
     edits = sorted(p.name for p in (out / "samples" / "edit").glob("*.png"))
     assert edits and edits == sorted(p.name for p in (out / "samples" / "edit_source").glob("*.png"))
+    # The perfect edit's overlaps (each source scan in red ink): its mask overlaps its own source more
+    # than another scan of the digit, and that ratio is the ceiling the edit's is read against.
+    edit = summary["edit"]
+    assert edit["target_iou_source"] > edit["target_iou_other"] and edit["target_iou_ratio"] > 1
 
     # Loadable outputs: the base model folder (from krea2 pretrain + krea2 export) and the stage LoRAs.
     from krea2_diffusers import Krea2Pipeline

@@ -24,7 +24,7 @@ sys.path.insert(0, str(BENCH))
 from proving.report import STAGE_ORDER  # noqa: E402
 
 MEASURES = ("accuracy", "fd", "diversity", "concept")
-EDIT_MEASURES = ("concept", "accuracy", "iou_source", "iou_other", "iou_ratio")
+EDIT_MEASURES = ("concept", "accuracy", "iou_source", "iou_other", "iou_ratio", "target_iou_ratio")
 
 
 def spread(values: list, digits: int = 3) -> str:

@@ -66,6 +66,7 @@ def checks(stages: dict[str, dict], vae: dict, extra: dict | None = None) -> lis
     if edit:
         out.append((f"edit: concept {edit['concept']:.3f} >= 0.90, source digit kept {edit['accuracy']:.3f} >= 0.90, "
                     f"IoU with the source {edit['iou_source']:.3f} >= {IOU_RATIO} x IoU with another scan of the digit "
-                    f"{IOU_RATIO * edit['iou_other']:.3f}",
+                    f"{IOU_RATIO * edit['iou_other']:.3f}" + (f" (the red-ink target itself, a perfect edit: "
+                    f"{edit['target_iou_ratio']:.2f}x)" if "target_iou_ratio" in edit else ""),
                     edit["concept"] >= 0.90 and edit["accuracy"] >= 0.90 and edit["iou_source"] >= IOU_RATIO * edit["iou_other"]))
     return out
