@@ -1,6 +1,7 @@
 """Issue 39's table over seeds (bench/proving/across_seeds.py): means and ranges per stage, and which
 seeds met each gate, matched by name although each run's claim carries its own figures."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -34,8 +35,6 @@ def test_readme_table_is_the_committed_runs():
     root = Path(__file__).resolve().parents[1]
     runs = sorted((root / "bench" / "proving" / "results").glob("seed*.json"))
     assert [p.name for p in runs] == ["seed0.json", "seed1.json", "seed2.json"]
-    import json
-
     text = table([json.loads(p.read_text()) for p in runs])
     readme = (root / "README.md").read_text()
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| gate |")]
