@@ -1,6 +1,15 @@
 """Run by tests/test_pretrain_recipe.py under torchrun (2 processes, gloo): GatheredMuon on FSDP2
-shards must give the weights torch.optim.Muon gives on the whole matrices in one process."""
+shards must give the weights torch.optim.Muon gives on the whole matrices in one process.
 
+Teardown: FSDP2's modules and their DTensors sit in reference cycles that hold the gloo process
+group, so returning from ``main`` left the group to the interpreter's final garbage collection. A
+gloo thread then asked for the GIL during finalisation and Python 3.11 ended that thread with a
+forced unwind through a noexcept frame: ``terminate called without an active exception`` (SIGABRT),
+after the checks had passed, in 9 of 40 runs here (gdb: ``pt_gloo_runloop`` unwinding while the
+main thread ran ``Py_FinalizeEx``'s collection). Freeing them and collecting before
+``destroy_process_group`` ends the group while the interpreter is alive: 0 of 40."""
+
+import gc
 import sys
 
 import torch
@@ -34,6 +43,8 @@ def main() -> int:
     for (name, p), q in zip(sharded.named_parameters(), reference.parameters()):
         assert p.to_local().shape[0] < q.shape[0], f"{name} is not sharded"
         torch.testing.assert_close(p.full_tensor(), q, rtol=0, atol=1e-12, msg=name)
+    del sharded, ours
+    gc.collect()
     dist.destroy_process_group()
     return 0
 
