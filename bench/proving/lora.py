@@ -21,7 +21,7 @@ import numpy as np
 import yaml
 
 from .digits import RED_INK, caption, render, write_folder
-from .pretraining import krea2
+from .pretraining import krea2, resume_flag
 
 TRIGGER = "krxred ink"
 
@@ -130,7 +130,7 @@ def train_and_copy(config: dict, work_dir: Path, out_file: Path, steps: int, dev
     with atomic_write(config_path, "w") as handle:
         handle.write(yaml.safe_dump(config, sort_keys=False))
     start = time.perf_counter()
-    krea2("train", str(config_path), device=device, log=log)
+    krea2("train", str(config_path), *resume_flag(config), device=device, log=log)
     seconds = time.perf_counter() - start
     Path(out_file).parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(Path(out_file)) as tmp:

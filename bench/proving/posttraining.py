@@ -112,16 +112,18 @@ def base_config(base_dir: Path, run_dir: Path, method: str, steps: int, lr: floa
 def run_posttrain(config: dict, config_path: Path, device: str = "cpu") -> float:
     """Write ``config`` to ``config_path`` and run ``krea2 posttrain`` on it (the bench's one
     command runner, :func:`proving.pretraining.krea2`, which puts ``bench/`` on ``PYTHONPATH`` for
-    the reward plug-in); its output goes to ``<config>.log``. Seconds taken."""
+    the reward plug-in); its output goes to ``<config>.log``; a run a killed bench left in the
+    config's ``output_dir`` continues from its last checkpoint (:func:`proving.pretraining.resume_flag`).
+    Seconds taken."""
     from krea2_diffusers.files import atomic_write
 
-    from .pretraining import krea2
+    from .pretraining import krea2, resume_flag
 
     config_path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_write(config_path, "w") as handle:
         yaml.safe_dump(config, handle, sort_keys=False)
     start = time.perf_counter()
-    krea2("posttrain", str(config_path), device=device, log=config_path.with_suffix(".log"))
+    krea2("posttrain", str(config_path), *resume_flag(config), device=device, log=config_path.with_suffix(".log"))
     return time.perf_counter() - start
 
 

@@ -63,6 +63,13 @@ IN_PROCESS = False
 """Run :func:`krea2` commands through ``krea2_diffusers.cli.main`` in this process (set by ``--quick``)."""
 
 
+def resume_flag(config: dict) -> list[str]:
+    """``["--resume"]`` when ``config["output_dir"]`` holds a run (``run.json``) that a killed bench
+    left: the proving ground's ``--resume`` then continues it from its last checkpoint instead of
+    failing on a folder that holds a run."""
+    return ["--resume"] if (Path(config["output_dir"]) / "run.json").exists() else []
+
+
 def krea2(*args: str, device: str = "cpu", log: Path | None = None) -> None:
     """Run ``krea2 ARGS`` in its own process from this checkout (``python -m krea2_diffusers.cli``), or
     in this one when :data:`IN_PROCESS`; its output appended to ``log``; a failure raises with the
