@@ -40,3 +40,20 @@ def test_readme_table_is_the_committed_runs():
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| gate |")]
     missing = [line for line in rows if line not in readme]
     assert not missing, missing
+
+
+def test_each_training_command_continues_a_run_a_killed_bench_left(tmp_path):
+    """``--resume`` of the proving ground passes ``--resume`` to the stage's command only when its
+    folder holds a run (a fresh folder must not be resumed), and every training command runner uses it."""
+    import inspect
+
+    from proving import lora, posttraining, pretraining
+
+    config = {"output_dir": str(tmp_path / "run")}
+    assert pretraining.resume_flag(config) == []
+    (tmp_path / "run").mkdir()
+    assert pretraining.resume_flag(config) == []  # a folder without a run
+    (tmp_path / "run" / "run.json").write_text("{}")
+    assert pretraining.resume_flag(config) == ["--resume"]
+    for runner in (pretraining.run_pretraining, lora.train_and_copy, posttraining.run_posttrain):
+        assert "*resume_flag(config)" in inspect.getsource(runner), runner.__name__

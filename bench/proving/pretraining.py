@@ -66,7 +66,8 @@ IN_PROCESS = False
 def resume_flag(config: dict) -> list[str]:
     """``["--resume"]`` when ``config["output_dir"]`` holds a run (``run.json``) that a killed bench
     left: the proving ground's ``--resume`` then continues it from its last checkpoint instead of
-    failing on a folder that holds a run."""
+    failing on a folder that holds a run. Every training command of the bench (pretrain, train,
+    posttrain) passes it."""
     return ["--resume"] if (Path(config["output_dir"]) / "run.json").exists() else []
 
 
@@ -151,15 +152,16 @@ def pretrain_config(spec: PretrainSpec, packs: dict[str, Path], vae_folder: Path
 
 def run_pretraining(spec: PretrainSpec, packs: dict[str, Path], vae_folder: Path, run_dir: Path, device: str = "cpu",
                     log: Path | None = None) -> PretrainResult:
-    """``krea2 pretrain`` over ``spec``'s stages into ``run_dir``."""
+    """``krea2 pretrain`` over ``spec``'s stages into ``run_dir`` (continued when a killed bench left a run there)."""
     from krea2_diffusers.files import atomic_write
 
     run_dir = Path(run_dir)
     config_path = run_dir.parent / f"{run_dir.name}.yaml"
+    config = pretrain_config(spec, packs, vae_folder, run_dir)
     with atomic_write(config_path, "w") as handle:
-        handle.write(yaml.safe_dump(pretrain_config(spec, packs, vae_folder, run_dir), sort_keys=False))
+        handle.write(yaml.safe_dump(config, sort_keys=False))
     start = time.perf_counter()
-    krea2("pretrain", str(config_path), device=device, log=log)
+    krea2("pretrain", str(config_path), *resume_flag(config), device=device, log=log)
     seconds = time.perf_counter() - start
     steps = sorted(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*"))
     return PretrainResult(run_dir, sum(s.steps for s in spec.stages), seconds, steps)
