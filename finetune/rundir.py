@@ -17,6 +17,12 @@ _RESUMABLE_CHANGES = {"checkpointing", "validation", "export", "logging", "train
 _ADDED_SETTINGS = {"training.ema.warmup": False}
 
 
+# Settings whose default changed, (old default, new default): a run recorded at the old default and
+# resumed from a config that leaves the setting out continues as it was recorded (its checkpoints hold
+# the adapters it trained).
+_CHANGED_DEFAULTS = {"lora.train_text_fusion": (False, True)}
+
+
 class RunDirectoryError(ValueError):
     """The output directory holds a different run."""
 
@@ -59,9 +65,24 @@ def check_output_dir(out: Path, config: TrainConfig, resume: bool) -> None:
         return
     if run_file.exists():
         previous = json.loads(run_file.read_text())["fingerprint"]
+        keep_recorded_defaults(previous, config)
         changes = config_changes(previous, config_fingerprint(config))
         if changes:
             raise RunDirectoryError(
                 f"--resume: the config differs from the run in {out} in settings that change training: "
                 + "; ".join(changes[:5])
             )
+
+
+def keep_recorded_defaults(previous: dict, config: TrainConfig) -> None:
+    """Set each setting of :data:`_CHANGED_DEFAULTS` that the resumed run recorded at its old default
+    and the config now has at its new one back to the recorded value (with a printed note)."""
+    for dotted, (old, new) in _CHANGED_DEFAULTS.items():
+        *parents, leaf = dotted.split(".")
+        node, owner = previous, config
+        for part in parents:
+            node = node.get(part, {}) if isinstance(node, dict) else {}
+            owner = getattr(owner, part)
+        if isinstance(node, dict) and node.get(leaf) == old and getattr(owner, leaf) == new:
+            setattr(owner, leaf, old)
+            print(f"--resume: {dotted} stays {old} as the run was recorded (the default is now {new})", flush=True)

@@ -1,5 +1,5 @@
-"""What the trained-adapter tests share: the tiny transformer ComfyUI's native loader can build,
-the loss of a plain pipeline on fixed noise (measured outside the trainer), and patching a real
+"""What the trained-adapter tests share: the tiny transformer ComfyUI's native loader can build (and
+a text encoder as wide as its text fusion), the loss of a plain pipeline on fixed noise (measured outside the trainer), and patching a real
 ComfyUI's model with LoRA files through ``LoraLoaderModelOnly``."""
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from safetensors.torch import load_file
 from krea2_diffusers.models.tiny import proportioned_transformer_config, save_random_original_file
 
 COMFY_BASE_NAME = "krea2_tiny_comfy.safetensors"
+# ComfyUI's text fusion has 20 heads, so its width is a multiple of 20 (real Krea 2: 2560 = 20 x 128);
+# the tiny text encoder's 32 is not. Adapters trained on the text fusion are checked at this width.
+COMFY_TEXT_WIDTH = 40
 
 
 def comfy_model_config(text_hidden_dim: int | None = None) -> dict:
@@ -24,6 +27,22 @@ def comfy_model_config(text_hidden_dim: int | None = None) -> dict:
         config.update(text_hidden_dim=text_hidden_dim, text_num_attention_heads=20, text_num_key_value_heads=20,
                       text_intermediate_size=128)
     return config
+
+
+def save_comfy_text_encoder(folder: Path, seed: int) -> Path:
+    """The tiny random Qwen3-VL (``tiny_text_encoder_config``) at :data:`COMFY_TEXT_WIDTH`, saved as a
+    Hugging Face folder (no tokenizer: the loaders use the Qwen tokenizer). Returns ``folder``."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from krea2_diffusers.models.tiny import randomize_, tiny_text_encoder_config
+
+    config = tiny_text_encoder_config()
+    config.text_config.hidden_size = config.vision_config.out_hidden_size = COMFY_TEXT_WIDTH
+    torch.manual_seed(seed)
+    encoder = Qwen3VLForConditionalGeneration(config)
+    randomize_(encoder, torch.Generator().manual_seed(seed))
+    encoder.save_pretrained(folder)
+    return folder
 
 
 def fixed_batch_loss(pipe, trainer, lora_file: Path | None) -> float:
@@ -57,7 +76,7 @@ def comfy_patched(comfyui, files: list[Path], prefix: str) -> tuple[dict, dict[P
     ``{file: patched tensors}``), both by original-layout key."""
     models = comfyui.base / "models"
     if not (models / "diffusion_models" / COMFY_BASE_NAME).exists():
-        save_random_original_file(models / "diffusion_models" / COMFY_BASE_NAME, comfy_model_config(text_hidden_dim=40), seed=1)
+        save_random_original_file(models / "diffusion_models" / COMFY_BASE_NAME, comfy_model_config(COMFY_TEXT_WIDTH), seed=1)
     graph = {"base": {"class_type": "UNETLoader", "inputs": {"unet_name": COMFY_BASE_NAME, "weight_dtype": "default"}}}
     for path in files:
         name = f"{prefix}_{path.name}"

@@ -25,7 +25,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from comfyui_harness import HARNESS, NO_HARNESS
-from lora_checks import comfy_model_config
+from lora_checks import COMFY_TEXT_WIDTH, comfy_model_config, save_comfy_text_encoder
 
 pytestmark = [pytest.mark.skipif(not HARNESS, reason=NO_HARNESS), pytest.mark.usefixtures("one_thread")]
 
@@ -33,30 +33,21 @@ MODEL, TE, VAE, LORA, REF = ("krea2_refs_tiny.safetensors", "qwen3vl_refs_tiny40
                              "krea2_refs_lora.safetensors", "edit_reference.png")
 # Not named qwen_image_vae*: the session's server is shared with test_comfyui_server, whose loader
 # default (the first qwen_image_vae* file) must stay its own VAE whichever module runs first.
-# ComfyUI's text fusion has 20 heads: the text encoder is 40 wide (the tiny one is 32).
-TEXT_WIDTH = 40
 PROMPT, SEED, SIZE, STEPS = "make the shape red", 11, 64, 3
 ROUNDING_FACTOR = 16
 
 
 def _write_models(base) -> None:
     from diffusers import AutoencoderKLQwenImage
-    from transformers import Qwen3VLForConditionalGeneration
-
     from krea2_diffusers.loaders.lora import lora_layers_from_diffusers_state_dict, lora_metadata, save_lora_file
     from krea2_diffusers.loaders.vae import save_wan_vae
-    from krea2_diffusers.models.tiny import randomize_, save_random_original_file, tiny_text_encoder_config
+    from krea2_diffusers.models.tiny import randomize_, save_random_original_file
     from krea2_diffusers.models.transformer import Krea2Transformer2DModel
 
     models = base / "models"
-    config = comfy_model_config(text_hidden_dim=TEXT_WIDTH)
+    config = comfy_model_config(text_hidden_dim=COMFY_TEXT_WIDTH)
     save_random_original_file(models / "diffusion_models" / MODEL, config, seed=3)
-    te_config = tiny_text_encoder_config()
-    te_config.text_config.hidden_size = te_config.vision_config.out_hidden_size = TEXT_WIDTH
-    torch.manual_seed(3)
-    encoder = Qwen3VLForConditionalGeneration(te_config)
-    randomize_(encoder, torch.Generator().manual_seed(3))
-    encoder.save_pretrained(models / "text_encoders" / TE)
+    save_comfy_text_encoder(models / "text_encoders" / TE, seed=3)
     vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2)  # ComfyUI's VAE shape
     randomize_(vae, torch.Generator().manual_seed(3))
     save_wan_vae(vae, models / "vae" / VAE)

@@ -10,6 +10,7 @@ from PIL import Image
 from finetune.data.buckets import BucketBatches, fits, make_buckets, nearest_bucket, resize_to_bucket
 from finetune.config import build_config
 from finetune.data import DatasetError, make_synthetic_dataset, scan_dataset
+from finetune.rundir import config_fingerprint
 from finetune.trainer import RunDirectoryError, check_output_dir, prepare_samples
 
 MAIN = SimpleNamespace(is_main=True, barrier=lambda: None)
@@ -108,3 +109,29 @@ def test_output_dir_holding_another_run_is_refused(tmp_path):
         check_output_dir(tmp_path, config, resume=False)
     with pytest.raises(RunDirectoryError, match="differs from the run"):
         check_output_dir(tmp_path, config, resume=True)
+
+
+def test_text_fusion_default_follows_the_command_and_a_run_recorded_before_resumes_as_it_was(tmp_path, capsys):
+    from finetune.posttrain.config import PosttrainConfig
+
+    train = {"data": {"path": "x"}, "output_dir": str(tmp_path)}
+    assert build_config(train).lora.train_text_fusion is True
+    assert build_config({**train, "lora": {"train_text_fusion": False}}).lora.train_text_fusion is False
+    posttrain = {"method": "dpo", "dpo": {"data": "pairs.jsonl"}, "model": {"pretrained_model_name_or_path": "tiny-random"}}
+    assert build_config(posttrain, cls=PosttrainConfig).lora.train_text_fusion is False
+
+    # A run recorded when the default was false, resumed from a config that leaves the key out.
+    recorded = build_config({**train, "lora": {"train_text_fusion": False}})
+    (tmp_path / "run.json").write_text(json.dumps({"fingerprint": config_fingerprint(recorded)}))
+    resumed = build_config(train)
+    check_output_dir(tmp_path, resumed, resume=True)
+    assert resumed.lora.train_text_fusion is False
+    assert "lora.train_text_fusion stays False" in capsys.readouterr().out
+    # Any other change is still refused.
+    with pytest.raises(RunDirectoryError, match="lora.rank: 32 -> 8"):
+        check_output_dir(tmp_path, build_config({**train, "lora": {"rank": 8}}), resume=True)
+    # A run recorded with it on keeps it on.
+    (tmp_path / "run.json").write_text(json.dumps({"fingerprint": config_fingerprint(build_config(train))}))
+    again = build_config(train)
+    check_output_dir(tmp_path, again, resume=True)
+    assert again.lora.train_text_fusion is True

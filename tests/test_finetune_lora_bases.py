@@ -36,7 +36,8 @@ from finetune.engine.checkpoint import latest_checkpoint
 from finetune.metrics import read_metrics
 from finetune.trainer import Trainer
 from krea2_diffusers.models.tiny import save_random_original_file
-from lora_checks import DiedAfterStep, comfy_model_config, comfy_patched, dying_metrics_logger, fixed_batch_loss
+from lora_checks import (COMFY_TEXT_WIDTH, DiedAfterStep, comfy_model_config, comfy_patched, dying_metrics_logger,
+                         fixed_batch_loss, save_comfy_text_encoder)
 
 ROOT = Path(__file__).resolve().parents[1]
 BASES = ("none", "fp8", "int8", "nf4")
@@ -51,14 +52,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run_config(root: Path, model: Path, quantize: str) -> dict:
+    """Adapters on the blocks and the text-fusion blocks, over a text encoder as wide as ComfyUI's text
+    fusion (``root/text_encoder``, written by the ``runs`` fixture)."""
     return {
         "output_dir": str(root / quantize),
-        "model": {"pretrained_model_name_or_path": str(model), "text_encoder": "tiny-random", "vae": "tiny-random",
+        "model": {"pretrained_model_name_or_path": str(model), "text_encoder": str(root / "text_encoder"), "vae": "tiny-random",
                   "dtype": "bfloat16", "quantize": quantize},
         "data": {"synthetic": {"num_prompts": 2, "size": 32}, "resolution": 32, "caption_dropout": 0.0,
                  "cache_dir": str(root / "cache"), "num_workers": 0},
         "training": {"method": "lora", "max_steps": MAX_STEPS, "batch_size": 2, "seed": 3},
-        "lora": {"rank": 8, "alpha": 8},
+        "lora": {"rank": 8, "alpha": 8, "train_text_fusion": True},
         "optimizer": {"learning_rate": 4e-3},
         "checkpointing": {"every_n_steps": EVERY, "keep_last": 1},
         "validation": {"prompts": ["red"], "num_inference_steps": 2, "guidance_scale": 3.5, "height": 32, "width": 32,
@@ -77,7 +80,8 @@ def runs(tmp_path_factory):
     two sides never write one together); each resumes here on first use."""
     root = tmp_path_factory.mktemp("bases")
     model = root / "krea2_tiny_comfy.safetensors"
-    save_random_original_file(model, comfy_model_config(), seed=0)
+    save_random_original_file(model, comfy_model_config(COMFY_TEXT_WIDTH), seed=0)
+    save_comfy_text_encoder(root / "text_encoder", seed=0)
     killed_config = run_config(root, model, KILLED)
     killed_config["data"]["cache_dir"] = str(root / "cache-killed")
     path = root / f"{KILLED}.yaml"
@@ -177,7 +181,7 @@ def test_lora_base_trains_checkpoints_dies_resumes_validates_and_exports(runs, q
 def bf16_pipe(runs):
     from krea2_diffusers import Krea2Pipeline
 
-    return Krea2Pipeline.from_single_file(str(runs.model), text_encoder="tiny-random", vae="tiny-random",
+    return Krea2Pipeline.from_single_file(str(runs.model), text_encoder=str(runs.root / "text_encoder"), vae="tiny-random",
                                           torch_dtype=torch.bfloat16)
 
 
@@ -197,15 +201,16 @@ def test_lora_of_each_base_loads_and_learns_in_a_plain_bf16_pipeline(runs, bf16_
 
 @pytest.mark.parametrize("quantize", BASES)
 def test_lora_of_each_base_loads_in_real_comfyuis_native_lora_loader(runs, comfyui, quantize):
-    """ComfyUI builds its model from a file with our blocks' shapes (its text fusion is 40 wide, a
-    multiple of its 20 text heads; no LoRA touches it), patches it with each exported file in
-    ``LoraLoaderModelOnly`` and writes the patched weights with ``ModelSave``."""
+    """ComfyUI builds its model from a file with our shapes (its text fusion 40 wide, a multiple of its
+    20 text heads, as the run's), patches it with each exported file (the blocks' and the text-fusion
+    blocks' adapters) in ``LoraLoaderModelOnly`` and writes the patched weights with ``ModelSave``."""
     from krea2_diffusers.loaders.convert import diffusers_module_to_original
 
     *_, result = runs(quantize)
     base, patched_files = comfy_patched(comfyui, result.exported, quantize)
     lora = load_file(str(result.output_dir / "lora_diffusers.safetensors"))
     modules = sorted(k.removeprefix("transformer.").removesuffix(".lora_A.weight") for k in lora if k.endswith(".lora_A.weight"))
+    assert len([m for m in modules if m.startswith("text_fusion.")]) == 32  # 8 projections x 4 text-fusion blocks
     for path, patched in patched_files.items():
         changed = {k for k in base if not torch.equal(patched[k], base[k])}
         expected = {diffusers_module_to_original(m) + ".weight" for m in modules}

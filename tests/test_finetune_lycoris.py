@@ -31,7 +31,7 @@ from krea2_diffusers.loaders.convert import diffusers_module_to_original
 from krea2_diffusers.loaders.lora import (LoraFormatError, load_lora_into_transformer, parse_lora_state_dict,
                                           set_lora_strength)
 from krea2_diffusers.models.tiny import save_random_original_file, tiny_transformer_config
-from lora_checks import comfy_model_config, comfy_patched, fixed_batch_loss
+from lora_checks import COMFY_TEXT_WIDTH, comfy_model_config, comfy_patched, fixed_batch_loss, save_comfy_text_encoder
 
 KINDS = ("lokr", "loha")
 # alpha = 2 x rank: PEFT's scale (2) folds into the exported factor without rounding, so our
@@ -45,10 +45,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run_config(root: Path, model: Path, kind: str) -> dict:
+    """The trainer's default targets (the blocks and the text-fusion blocks) over a text encoder as
+    wide as ComfyUI's text fusion (``root/text_encoder``, written by the ``runs`` fixture)."""
     dtype, quantize = BASES[kind]
     return {
         "output_dir": str(root / kind),
-        "model": {"pretrained_model_name_or_path": str(model), "text_encoder": "tiny-random", "vae": "tiny-random",
+        "model": {"pretrained_model_name_or_path": str(model), "text_encoder": str(root / "text_encoder"), "vae": "tiny-random",
                   "dtype": dtype, "quantize": quantize},
         "data": {"synthetic": {"num_prompts": 2, "size": 32}, "resolution": 32, "caption_dropout": 0.0,
                  "cache_dir": str(root / "cache"), "num_workers": 0},
@@ -65,7 +67,8 @@ def runs(tmp_path_factory):
     """``runs(kind)`` -> (trainer, result) of that type's run, trained on first use."""
     root = tmp_path_factory.mktemp("lycoris")
     model = root / "krea2_tiny_comfy.safetensors"
-    save_random_original_file(model, comfy_model_config(), seed=0)
+    save_random_original_file(model, comfy_model_config(COMFY_TEXT_WIDTH), seed=0)
+    save_comfy_text_encoder(root / "text_encoder", seed=0)
     cache = {}
 
     def get(kind: str):
@@ -74,7 +77,7 @@ def runs(tmp_path_factory):
             cache[kind] = (trainer, trainer.train())
         return cache[kind]
 
-    get.model = model
+    get.model, get.text_encoder = model, root / "text_encoder"
     return get
 
 
@@ -82,7 +85,7 @@ def runs(tmp_path_factory):
 def plain_pipe(runs):
     from krea2_diffusers import Krea2Pipeline
 
-    return Krea2Pipeline.from_single_file(str(runs.model), text_encoder="tiny-random", vae="tiny-random",
+    return Krea2Pipeline.from_single_file(str(runs.model), text_encoder=str(runs.text_encoder), vae="tiny-random",
                                           torch_dtype=torch.float32)
 
 
@@ -102,12 +105,13 @@ def test_trains_exports_and_loads_back_with_the_trained_weights(runs, plain_pipe
     trainer, result = runs(kind)
     assert result.final_step == STEPS
     trained = _adapted(trainer.pipe.transformer, "default")
-    assert len(trained) == 16  # 8 projections x 2 blocks
+    assert len(trained) == 48  # 8 projections x (2 blocks + 4 text-fusion blocks: krea2 train adapts them by default)
     if kind == "loha":
         assert "Fp8Linear" in {type(m.get_base_layer()).__name__ for m in trained.values()}
     else:  # both of ComfyUI's LoKr scale rules occur: w2 whole (attention) and decomposed (feed-forward)
-        whole = {name for name, m in trained.items() if "default" in m.lokr_w2}
-        assert whole and whole != set(trained) and all(".attn." in n for n in whole)
+        blocks = {name: m for name, m in trained.items() if name.startswith("transformer_blocks.")}
+        whole = {name for name, m in blocks.items() if "default" in m.lokr_w2}
+        assert whole and whole != set(blocks) and all(".attn." in n for n in whole)
 
     assert sorted(p.name for p in result.exported) == ["lora_comfyui.safetensors", "lora_diffusers.safetensors",
                                                         "lora_kohya.safetensors"]
@@ -123,7 +127,7 @@ def test_trains_exports_and_loads_back_with_the_trained_weights(runs, plain_pipe
 
     # Each file through our loader: PEFT's trained deltas, in float64; strengths scale them.
     for path in result.exported:
-        model = Krea2Transformer2DModel(**comfy_model_config())
+        model = Krea2Transformer2DModel(**comfy_model_config(COMFY_TEXT_WIDTH))
         name = load_lora_into_transformer(model, path)
         for module_name, module in trained.items():
             torch.testing.assert_close(_delta64(model.get_submodule(module_name), name), _delta64(module, "default"),
@@ -157,7 +161,7 @@ def test_exports_load_in_real_comfyuis_native_lora_loader_with_our_weights(runs,
     base, patched_files = comfy_patched(comfyui, files, kind)
     deltas = {}
     for path, patched in patched_files.items():
-        ours = Krea2Transformer2DModel(**comfy_model_config())
+        ours = Krea2Transformer2DModel(**comfy_model_config(COMFY_TEXT_WIDTH))
         name = load_lora_into_transformer(ours, path)
         modules = _adapted(ours, name)
         changed = {k for k in base if not torch.equal(patched[k], base[k])}

@@ -54,7 +54,8 @@ def planned_gib(quantize: str, offload: int, args) -> float | None:
                            "model": {"quantize": quantize, "dtype": "bfloat16", "max_sequence_length": args.text_len},
                            "training": {"activation_checkpointing": "full", "offload_blocks": offload,
                                         "mixed_precision": "bf16", "batch_size": 1},
-                           "lora": {"rank": args.rank, "alpha": args.rank}})
+                           "lora": {"rank": args.rank, "alpha": args.rank,
+                                    "train_text_fusion": False}})  # the blocks only, as first measured
     plan, _ = build_plan(config, 1)
     return plan.total / GIB
 

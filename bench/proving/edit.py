@@ -66,7 +66,8 @@ def edit_config(spec: EditSpec, base_dir: Path, pairs: Path, run_dir: Path, reso
         "data": {"path": str(pairs), "references": {"max_pixels": resolution * resolution}, "resolution": resolution,
                  "caption_dropout": 0.0},
         "training": {"max_steps": spec.steps, "batch_size": spec.batch_size, "seed": seed},
-        "lora": {"rank": spec.rank, "alpha": spec.rank, "extra_modules": ["img_in", "final_layer.linear"]},
+        "lora": {"rank": spec.rank, "alpha": spec.rank, "extra_modules": ["img_in", "final_layer.linear"],
+                 "train_text_fusion": False},  # the settings the edit stage was measured with
         "optimizer": {"learning_rate": spec.learning_rate},
         "checkpointing": {"every_n_steps": spec.steps, "keep_last": 1},
         "export": {"formats": ["diffusers"]},

@@ -7,7 +7,7 @@ And the same concept as a user trains it (issue 39, :func:`user_lora_config`): a
 data (the concept folder with the trigger word in its captions, the regularization folder of plain
 scans marked ``is_regularization``, caption dropout, the model's resolution), the steps, the learning
 rate and the rank, every other key at the trainer's default (batch 1, its scheduler, the default LoRA
-targets, the datasets' default weights: half the samples from each, issue 38); ``lora_ema`` the same with
+targets with the text-fusion blocks, the datasets' default weights: half the samples from each, issue 38); ``lora_ema`` the same with
 ``training.ema`` at its defaults. The only other keys are the run's own: its folder, the base, and
 ``training.seed`` (every run's data order and noise follow ``--seed``)."""
 

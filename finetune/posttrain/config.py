@@ -166,6 +166,7 @@ class PosttrainConfig(TrainConfig):
     draft: DraftConfig | None = None
 
     requires_data: ClassVar[bool] = False
+    text_fusion_default: ClassVar[bool] = False
 
     @property
     def section(self):
