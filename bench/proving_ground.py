@@ -330,7 +330,8 @@ def post_train(stages, *, settings: Settings, seeds, base_dir: Path, reward_path
                                                                                          **common)
     curve = curves.evaluate_run(load_pipeline(base_dir, stages.device), result.model_dir, work / f"{stage}_checkpoints",
                                 stages.judge, reward_path, per_digit=stages.per_digit, steps=settings.sampling_steps,
-                                seed=seeds.select, resolution=RESOLUTION, base_point=base_point, log=log)
+                                seed=seeds.select, resolution=RESOLUTION, every=result.checkpoint_every,
+                                base_point=base_point, log=log)
     return {"steps": result.steps, "seconds": result.seconds, "curve": curve}
 
 

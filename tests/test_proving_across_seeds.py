@@ -57,3 +57,21 @@ def test_each_training_command_continues_a_run_a_killed_bench_left(tmp_path):
     assert pretraining.resume_flag(config) == ["--resume"]
     for runner in (pretraining.run_pretraining, lora.train_and_copy, posttraining.run_posttrain):
         assert "*resume_flag(config)" in inspect.getsource(runner), runner.__name__
+
+
+def test_checkpoint_choices_are_the_scheduled_ones_whatever_a_stop_signal_saved(tmp_path):
+    """A bench killed with SIGTERM leaves a checkpoint off the schedule (the trainer saves before it exits:
+    seed 0's GRPO had step-53 beside 50, 100, 150). The curves, the base choice and the report proof choose
+    among the scheduled checkpoints only, so a resumed bench chooses as an uninterrupted one does."""
+    import inspect
+
+    from proving import curves, pretraining, report_proof
+
+    for step in (150, 50, 53, 100):
+        (tmp_path / "checkpoints" / f"step-{step}").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-75.partial").write_text("")  # not a checkpoint folder
+    assert pretraining.checkpoint_steps(tmp_path) == [50, 53, 100, 150]
+    assert pretraining.checkpoint_steps(tmp_path, 50) == [50, 100, 150]
+    for chooser in (curves.evaluate_run, report_proof.judge_checkpoints):
+        assert inspect.signature(chooser).parameters["every"].default is inspect.Parameter.empty, chooser.__name__
+    assert "checkpoint_steps(run_dir, spec.checkpoint_every)" in inspect.getsource(pretraining.run_pretraining)

@@ -12,12 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .pretraining import checkpoint_steps
+
 LORA_FILE = "lora_diffusers.safetensors"
-
-
-def checkpoint_steps(run_dir: Path) -> list[int]:
-    """The steps of ``run_dir/checkpoints/step-N``, ascending."""
-    return sorted(int(p.name.split("-")[1]) for p in (Path(run_dir) / "checkpoints").glob("step-*") if p.is_dir())
 
 
 def export_lora(run_dir: Path, step: int, out_dir: Path, log: Path | None = None) -> Path:
@@ -45,14 +42,15 @@ def reward_mean(reward_path: Path, images: np.ndarray, labels: np.ndarray) -> fl
 
 
 def evaluate_run(pipe, run_dir: Path, work_dir: Path, judge, reward_path: Path, *, per_digit: int, steps: int, seed: int,
-                 resolution: int, base_point: dict | None = None, log: Path | None = None) -> list[dict]:
-    """[{"step", "reward", "accuracy", "fd", "diversity"}] for each kept checkpoint of ``run_dir`` (and
+                 resolution: int, every: int, base_point: dict | None = None, log: Path | None = None) -> list[dict]:
+    """[{"step", "reward", "accuracy", "fd", "diversity"}] for each scheduled checkpoint (every ``every``
+    steps, :func:`proving.pretraining.checkpoint_steps`) of ``run_dir`` (and
     ``base_point`` as step 0 when given): its LoRA loaded onto ``pipe`` (the base pipeline, unloaded
     again after), ``per_digit`` samples per digit, ``steps`` Euler steps, guidance 0, sampling base ``seed``."""
     from .sampling import generate
 
     curve = [dict(base_point, step=0)] if base_point is not None else []
-    for step in checkpoint_steps(run_dir):
+    for step in checkpoint_steps(run_dir, every):
         lora = export_lora(run_dir, step, Path(work_dir) / f"step-{step}", log=log)
         pipe.load_lora_weights(str(lora))
         try:

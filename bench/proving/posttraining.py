@@ -57,12 +57,14 @@ LORA_FILE = "lora_diffusers.safetensors"
 class StageResult:
     """``model_dir``: the published model (TDM: the model folder under ``models/student_4/``) or, for the
     LoRA methods, the run folder whose ``checkpoints/step-N`` the bench evaluates and publishes from;
-    ``steps``: optimizer steps; ``seconds``: the stage's wall time (pairs included for DPO)."""
+    ``steps``: optimizer steps; ``seconds``: the stage's wall time (pairs included for DPO);
+    ``checkpoint_every``: the run's checkpoint interval (the curve's points)."""
 
     model_dir: Path
     steps: int
     seconds: float
     lora: bool = True
+    checkpoint_every: int | None = None
 
 
 # Per method: (full run, --quick). Keys are krea2 posttrain config values set below.
@@ -159,7 +161,7 @@ def run_dpo(base_dir, work_dir, quick: bool, device: str = "cpu", *, reward: Pat
     config["dpo"] = {"data": str(manifest), "resolution": resolution, "beta": s["beta"], "sft_weight": 1.0,
                      "chosen_anchor_weight": 1.0, "heldout_pairs": 2, "eval_every_n_steps": s["steps"]}
     run_posttrain(config, work_dir / "dpo.yaml", device)
-    return StageResult(run_dir, s["steps"], time.perf_counter() - start)
+    return StageResult(run_dir, s["steps"], time.perf_counter() - start, checkpoint_every=s["curve_every"])
 
 
 def make_pairs(base_dir: Path, folder: Path, reward: Path, per_digit: int, sampling_steps: int, resolution: int,
@@ -234,7 +236,7 @@ def run_grpo(base_dir, work_dir, quick: bool, device: str = "cpu", *, reward: Pa
         "eval_every_n_steps": 0,
     }
     seconds = run_posttrain(config, work_dir / "grpo.yaml", device)
-    return StageResult(run_dir, s["steps"], seconds)
+    return StageResult(run_dir, s["steps"], seconds, checkpoint_every=s["curve_every"])
 
 
 def run_draft(base_dir, work_dir, quick: bool, device: str = "cpu", *, reward: Path, resolution: int,
@@ -251,7 +253,7 @@ def run_draft(base_dir, work_dir, quick: bool, device: str = "cpu", *, reward: P
         "eval_every_n_steps": 0,
     }
     seconds = run_posttrain(config, work_dir / "draft.yaml", device)
-    return StageResult(run_dir, s["steps"], seconds)
+    return StageResult(run_dir, s["steps"], seconds, checkpoint_every=s["curve_every"])
 
 
 def run_distill(base_dir, work_dir, quick: bool, device: str = "cpu", *, resolution: int, teacher_guidance: float,

@@ -71,6 +71,16 @@ def resume_flag(config: dict) -> list[str]:
     return ["--resume"] if (Path(config["output_dir"]) / "run.json").exists() else []
 
 
+def checkpoint_steps(run_dir: Path, every: int | None = None) -> list[int]:
+    """The steps of ``run_dir/checkpoints/step-N``, ascending; with ``every``, only the scheduled ones
+    (multiples of ``every``). A checkpoint a stop signal wrote between them (a killed bench's SIGTERM:
+    the trainer saves before it exits) is left out, so that a resumed run offers the bench the same
+    choice as an uninterrupted one: seed 0's GRPO once published a step-53 checkpoint that only the
+    interrupted run had."""
+    steps = sorted(int(p.name.split("-")[1]) for p in (Path(run_dir) / "checkpoints").glob("step-*") if p.is_dir())
+    return [s for s in steps if every is None or s % every == 0]
+
+
 def krea2(*args: str, device: str = "cpu", log: Path | None = None) -> None:
     """Run ``krea2 ARGS`` in its own process from this checkout (``python -m krea2_diffusers.cli``), or
     in this one when :data:`IN_PROCESS`; its output appended to ``log``; a failure raises with the
@@ -163,8 +173,7 @@ def run_pretraining(spec: PretrainSpec, packs: dict[str, Path], vae_folder: Path
     start = time.perf_counter()
     krea2("pretrain", str(config_path), *resume_flag(config), device=device, log=log)
     seconds = time.perf_counter() - start
-    steps = sorted(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*"))
-    return PretrainResult(run_dir, sum(s.steps for s in spec.stages), seconds, steps)
+    return PretrainResult(run_dir, sum(s.steps for s in spec.stages), seconds, checkpoint_steps(run_dir, spec.checkpoint_every))
 
 
 def export_model(run_dir: Path, step: int, vae_folder: Path, out: Path, log: Path | None = None) -> Path:

@@ -34,18 +34,19 @@ MIN_RHO = 0.7
 
 
 def judge_checkpoints(run_dir: Path, work: Path, base_dir: Path, judge, *, per_digit: int, steps: int, guidance: float,
-                      seed: int, resolution: int, log: Path | None = None) -> list[dict]:
-    """[{"step", "concept_share", "leak_share", "accuracy"}] per kept checkpoint of the LoRA run
+                      seed: int, resolution: int, every: int, log: Path | None = None) -> list[dict]:
+    """[{"step", "concept_share", "leak_share", "accuracy"}] per scheduled checkpoint (every ``every`` steps) of the LoRA run
     ``run_dir``: the judge's verdict on ``per_digit`` samples per digit with the trigger (concept share,
     accuracy) and without it (leak share), CFG ``guidance``, sampling base ``seed``."""
     from proving import digits
-    from proving.curves import checkpoint_steps, export_lora
+    from proving.curves import export_lora
+    from proving.pretraining import checkpoint_steps
     from proving.lora import TRIGGER
     from proving.sampling import generate, load_pipeline
 
     pipe = load_pipeline(base_dir)
     rows = []
-    for step in checkpoint_steps(run_dir):
+    for step in checkpoint_steps(run_dir, every):
         pipe.load_lora_weights(str(export_lora(run_dir, step, work / f"step-{step}", log=log)))
         try:
             on, labels = generate(None, range(10), per_digit, guidance, steps, seed=seed, trigger=TRIGGER,
@@ -116,7 +117,7 @@ def main(argv=None) -> int:
     report = json.loads((out / "run" / "report.json").read_text())
     judged = judge_checkpoints(out / "run", out / "exports", run / "models" / "base", judge, per_digit=settings.per_digit,
                                steps=settings.sampling_steps, guidance=settings.guidance, seed=seeds.eval,
-                               resolution=pg.RESOLUTION, log=out / "commands.log")
+                               resolution=pg.RESOLUTION, every=args.every, log=out / "commands.log")
     result = {"run": str(run), "seed": seeds.run, "every": args.every, "train_seconds": round(seconds, 1),
               "encoder": report.get("encoder"), **compare(report, judged)}
     (out / "proof.json").write_text(json.dumps(result, indent=1))
