@@ -79,20 +79,9 @@ def test_one_collective_carries_the_stop_and_the_requests(tmp_path):
 def test_sample_now_and_save_now_act_at_the_next_step_and_the_run_goes_on(monkeypatch, tmp_path):
     from finetune.config import build_config
     from finetune.trainer import Trainer
-    from test_train_stop import tiny_config
+    from test_train_stop import OneProcess, tiny_config
 
     saved, sampled = [], []
-
-    class Runtime:  # one process
-        is_main, world_size = True, 1
-
-        @staticmethod
-        def any(flag):
-            return flag
-
-        @staticmethod
-        def means(values):
-            return dict(values)
 
     def train_step(self, step, items):
         if step == 1:  # 0-based: during step 2, "Sample now" and "Save now" are clicked
@@ -105,7 +94,7 @@ def test_sample_now_and_save_now_act_at_the_next_step_and_the_run_goes_on(monkey
     raw["checkpointing"] = {"every_n_steps": 4, "keep_last": 3}
     trainer = Trainer.__new__(Trainer)
     trainer.config = build_config({**raw, "training": {**raw["training"], "max_steps": STEPS}})
-    trainer.runtime, trainer.out, trainer.resume, trainer.lora = Runtime(), tmp_path / "run", False, True
+    trainer.runtime, trainer.out, trainer.resume, trainer.lora = OneProcess(), tmp_path / "run", False, True
     trainer.out.mkdir()
     trainer.early_inputs, trainer.start_step, trainer.pipe, trainer.extra_metrics = iter(()), 0, None, {}
     trainer.ema, trainer.optimizer, trainer.step_split = None, torch.optim.SGD([torch.zeros(1, requires_grad=True)]), None

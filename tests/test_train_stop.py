@@ -32,6 +32,20 @@ STEPS = 20
 EXPORTS = ["lora_comfyui.safetensors", "lora_diffusers.safetensors", "lora_kohya.safetensors"]
 
 
+class OneProcess:
+    """The trainer's runtime for one process (no collectives): what the stop and request tests put in."""
+
+    is_main, world_size = True, 1
+
+    @staticmethod
+    def any(flag):
+        return flag
+
+    @staticmethod
+    def means(values):
+        return dict(values)
+
+
 # ---------------------------------------------------------------- the trainer, stopped at each moment
 def tiny_config(out: Path, cache: Path) -> dict:
     return {
@@ -90,13 +104,6 @@ def test_posttrain_and_pretrain_share_the_stop_and_end_before_a_step_when_stoppe
         os.kill(os.getpid(), signal.SIGTERM)  # the flag, not the default action
         assert outer.requested
 
-    class Runtime:  # one process
-        is_main, world_size = True, 1
-
-        @staticmethod
-        def any(flag):
-            return flag
-
     def no_step(*args, **kwargs):
         raise AssertionError("a step ran after a stop that came while setting up")
 
@@ -124,7 +131,7 @@ def test_posttrain_and_pretrain_share_the_stop_and_end_before_a_step_when_stoppe
     try:
         for cls in (PosttrainTrainer, Pretrainer):
             trainer = cls.__new__(cls)  # no model: set-up is replaced by a stop arriving while it runs
-            trainer.runtime, trainer.out, trainer.resume = Runtime(), tmp_path / cls.__name__, False
+            trainer.runtime, trainer.out, trainer.resume = OneProcess(), tmp_path / cls.__name__, False
             trainer.out.mkdir()
             if cls is Pretrainer:
                 trainer.config, trainer.pma_writer = pretrain_config, BackgroundPMA()
@@ -149,17 +156,6 @@ def test_a_stop_during_the_last_step_still_exports_and_ends_done(monkeypatch, tm
 
     saved, exported = [], []
 
-    class Runtime:  # one process
-        is_main, world_size = True, 1
-
-        @staticmethod
-        def any(flag):
-            return flag
-
-        @staticmethod
-        def means(values):
-            return dict(values)
-
     def train_step(self, step, items):
         if step == STEPS - 1:  # 0-based: the last step
             os.kill(os.getpid(), signal.SIGTERM)
@@ -167,7 +163,7 @@ def test_a_stop_during_the_last_step_still_exports_and_ends_done(monkeypatch, tm
 
     trainer = Trainer.__new__(Trainer)
     trainer.config = build_config(tiny_config(tmp_path / "run", tmp_path / "cache"))
-    trainer.runtime, trainer.out, trainer.resume, trainer.lora = Runtime(), tmp_path / "run", False, True
+    trainer.runtime, trainer.out, trainer.resume, trainer.lora = OneProcess(), tmp_path / "run", False, True
     trainer.out.mkdir()
     trainer.early_inputs, trainer.start_step, trainer.pipe, trainer.extra_metrics = iter(()), 0, None, {}
     trainer.ema, trainer.optimizer = None, torch.optim.SGD([torch.zeros(1, requires_grad=True)])  # no EMA, plain weights
