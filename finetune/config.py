@@ -80,7 +80,7 @@ class LoRAConfig:
     trigger word among them, become the tokens the image attends to. ``None``: the command's default,
     true for ``krea2 train`` (a trigger word binds there: on the proving ground's digits, a user's
     config reached digit accuracy 1.00 with the trigger against 0.66-0.80 without it, the leak
-    unchanged; about +1.7 GiB of activations at 1024 px on the full model) and false for
+    unchanged; on the full model at 1024 px about +0.5 GiB at 128 text tokens, +1.8 GiB at 512) and false for
     ``krea2 posttrain`` (its prompts are known ones, and a frozen text path is computed once per prompt)."""
     use_dora: bool = False
     """``lora`` only."""
