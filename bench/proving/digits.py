@@ -52,6 +52,50 @@ def caption(digit: int, trigger: str | None = None) -> str:
     return f"{text}, {trigger}" if trigger else text
 
 
+CAPTION_TEMPLATES = ("a handwritten digit {n}", "the digit {n}, handwritten", "a scan of a handwritten {n}",
+                     "handwritten number {n} on paper", "{n}, written by hand", "a digit {n} in ink")
+CAPTION_SEED = 1234
+"""The draw of :func:`described_captions` (templates, which words, their order). Fixed, as a dataset's
+captions are: ``--seed`` changes which scans are in the training split, not how a scan is described."""
+WORD_KEPT = 0.7
+
+
+def described_captions(images: np.ndarray, labels: np.ndarray, seed: int = CAPTION_SEED) -> list[str]:
+    """Pretraining captions that describe each scan, as a real dataset's captions do: one of
+    :data:`CAPTION_TEMPLATES` for the digit, then the scan's stroke weight (``thin strokes`` / ``bold
+    strokes``: lowest / highest third of ink mass over ``images``) and width (``narrow`` / ``wide``: third
+    by the number of columns holding ink), each word kept with probability :data:`WORD_KEPT`, shuffled.
+
+    ``images``: uint8 (N, H, W, 3), dark ink on light paper; ``labels``: int (N,). Why: a base that has
+    seen ten fixed captions loses its digits when any word is appended (a trigger word); one trained on
+    varied captions keeps them (seed 0's base, ``krxred ink`` appended, CFG 3: 0.33 -> 0.99), and words
+    that carry meaning matter: random filler words in their place left a default LoRA at concept 0.545.
+    """
+    import random
+
+    rng = random.Random(seed)
+    ink = 255.0 - images.astype(np.float32).mean(axis=3)  # (N, H, W) darkness
+    mass = ink.mean(axis=(1, 2))
+    columns = (ink > 64).any(axis=1).sum(axis=1)
+    thin, bold = np.quantile(mass, [1 / 3, 2 / 3])
+    narrow, wide = np.quantile(columns, [1 / 3, 2 / 3])
+    out = []
+    for index, digit in enumerate(labels):
+        words = []
+        if mass[index] <= thin:
+            words.append("thin strokes")
+        elif mass[index] >= bold:
+            words.append("bold strokes")
+        if columns[index] <= narrow:
+            words.append("narrow")
+        elif columns[index] >= wide:
+            words.append("wide")
+        words = [w for w in words if rng.random() < WORD_KEPT]
+        rng.shuffle(words)
+        out.append(", ".join([rng.choice(CAPTION_TEMPLATES).format(n=NAMES[int(digit)]), *words]))
+    return out
+
+
 def render(scans: np.ndarray, resolution: int, ink=BLACK_INK) -> np.ndarray:
     """(N, 8, 8) intensities in [0, 1] -> uint8 (N, resolution, resolution, 3) images, ``ink`` on white."""
     import torch

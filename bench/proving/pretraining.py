@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from .digits import caption, write_folder
+from .digits import described_captions, write_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT_ENCODER = "tiny-random"  # the frozen tiny Qwen3-VL (fixed seed) with the real tokenizer
@@ -123,10 +123,11 @@ def krea2_in_process(args: tuple[str, ...], log: Path | None) -> None:
 
 
 def write_packs(images, labels, work_dir: Path, stages: list[Stage], log: Path | None = None, seed: int = 0) -> dict[str, Path]:
-    """The training split as ``work_dir/images`` (PNG + caption), then one ``krea2 pack`` per stage
+    """The training split as ``work_dir/images`` (PNG + a caption that describes the scan:
+    :func:`~proving.digits.described_captions`), then one ``krea2 pack`` per stage
     (it resizes to the stage's resolution; rows shuffled by ``seed``) with caption features
     precomputed. Returns {stage: pack}."""
-    folder = write_folder(Path(work_dir) / "images", images, [caption(d) for d in labels])
+    folder = write_folder(Path(work_dir) / "images", images, described_captions(images, labels))
     packs = {}
     for stage in stages:
         pack = Path(work_dir) / "packs" / stage.name
