@@ -1,6 +1,6 @@
 """The proving ground's measuring instruments (bench/proving/judge.py, rewards.py, report.py):
 Frechet distance and diversity against values worked out by hand, the reward plug-in against
-krea2 posttrain's own reward checks (GRPO's list of floats, DRaFT's gradient path) and its log. No classifier is trained here (the full run measures them)."""
+krea2 posttrain's own reward checks (GRPO's list of floats, DRaFT's gradient path) and its log. The pretraining captions against the scans they describe. No classifier is trained here (the full run measures them)."""
 
 import json
 import sys
@@ -75,3 +75,28 @@ def test_digit_reward_passes_grpo_and_draft_checks_and_logs(reward_file, tmp_pat
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert [(r["step"], r["eval"]) for r in rows] == [(3, False), (3, True)]
 
+
+
+def test_pretraining_captions_name_the_digit_and_describe_the_scan():
+    from proving.digits import CAPTION_TEMPLATES, NAMES, described_captions, render
+
+    # Three scans per digit: a thin narrow stroke, a middle one, a bold wide block (8x8 intensities).
+    scans = np.zeros((30, 8, 8), np.float32)
+    labels = np.repeat(np.arange(10), 3)
+    scans[0::3, 2:6, 4] = 0.5
+    scans[1::3, 2:6, 3:5] = 1.0
+    scans[2::3, 1:7, 1:7] = 1.0
+    captions = described_captions(render(scans, 32), labels)
+    assert captions == described_captions(render(scans, 32), labels)  # a fixed draw, as a dataset's captions are
+    templates = {t.format(n="#") for t in CAPTION_TEMPLATES}
+    described = {"thin strokes", "narrow", "bold strokes", "wide"}
+    for index, (text, digit) in enumerate(zip(captions, labels)):
+        parts = text.split(", ")
+        words = [p for p in parts if p in described]
+        head = ", ".join(p for p in parts if p not in described)
+        assert head.replace(NAMES[digit], "#") in templates, text
+        allowed = [{"thin strokes", "narrow"}, set(), {"bold strokes", "wide"}][index % 3]
+        assert set(words) <= allowed and len(words) == len(set(words)), text
+    # Each word is kept with probability 0.7: of the 40 it could write here, about 28 (sd 2.9).
+    written = sum(len([w for w in c.split(", ") if w in {"thin strokes", "narrow", "bold strokes", "wide"}]) for c in captions)
+    assert 15 <= written < 40
