@@ -1,6 +1,7 @@
 """The proving ground's measuring instruments (bench/proving/judge.py, rewards.py, report.py):
 Frechet distance and diversity against values worked out by hand, the reward plug-in against
-krea2 posttrain's own reward checks (GRPO's list of floats, DRaFT's gradient path) and its log. The pretraining captions against the scans they describe. No classifier is trained here (the full run measures them)."""
+krea2 posttrain's own reward checks (GRPO's list of floats, DRaFT's gradient path) and its log; the
+pretraining captions against the scans they describe. No classifier is trained here (the full run measures them)."""
 
 import json
 import sys
@@ -76,7 +77,6 @@ def test_digit_reward_passes_grpo_and_draft_checks_and_logs(reward_file, tmp_pat
     assert [(r["step"], r["eval"]) for r in rows] == [(3, False), (3, True)]
 
 
-
 def test_pretraining_captions_name_the_digit_and_describe_the_scan():
     from proving.digits import CAPTION_TEMPLATES, NAMES, described_captions, render
 
@@ -98,5 +98,5 @@ def test_pretraining_captions_name_the_digit_and_describe_the_scan():
         allowed = [{"thin strokes", "narrow"}, set(), {"bold strokes", "wide"}][index % 3]
         assert set(words) <= allowed and len(words) == len(set(words)), text
     # Each word is kept with probability 0.7: of the 40 it could write here, about 28 (sd 2.9).
-    written = sum(len([w for w in c.split(", ") if w in {"thin strokes", "narrow", "bold strokes", "wide"}]) for c in captions)
+    written = sum(len([w for w in c.split(", ") if w in described]) for c in captions)
     assert 15 <= written < 40
