@@ -1,5 +1,7 @@
 """Prompt encoding against diffusers' encode_prompt on the real Qwen tokenizer and a tiny Qwen3-VL."""
 
+import json
+
 import pytest
 import torch
 
@@ -25,6 +27,26 @@ def test_the_tokenizer_is_parsed_once_per_process_and_each_caller_keeps_its_own_
     assert second.padding_side == "right"
     left, right = (tok(["hi", "hello there world"], padding=True).input_ids[0] for tok in (first, second))
     assert left[0] == right[-1] == first.pad_token_id and left[-1] == right[0] != first.pad_token_id
+
+
+def test_a_folder_tokenizer_is_parsed_once_per_content_and_loads_as_transformers_does(tmp_path):
+    from transformers import AutoTokenizer
+
+    from krea2_diffusers.conditioning.tokenizer import folder_tokenizer
+
+    for name in ("a", "b"):
+        qwen_tokenizer().save_pretrained(tmp_path / name)
+    first, second = folder_tokenizer(tmp_path / "a"), folder_tokenizer(tmp_path / "b")
+    assert first is not second and first.backend_tokenizer is second.backend_tokenizer  # same content: one parse
+    reference = AutoTokenizer.from_pretrained(tmp_path / "a")
+    assert type(first) is type(reference) and first.chat_template == reference.chat_template
+    prompts = ["a handwritten digit seven", "zq krxred ink, 12 pixels"]
+    assert first(prompts, padding=True).input_ids == reference(prompts, padding=True).input_ids
+    # Another content (here a changed config) is parsed on its own, and gets what its files say.
+    config = tmp_path / "b" / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "padding_side": "left"}))
+    changed = folder_tokenizer(tmp_path / "b")
+    assert changed.backend_tokenizer is not first.backend_tokenizer and changed.padding_side == "left" != first.padding_side
 
 
 def test_layout_pads_between_prompt_and_suffix():

@@ -23,8 +23,11 @@ KEYS = ("accuracy", "fd", "diversity", "steps", "seconds", "num_inference_steps"
 def test_quick_run_trains_and_measures_every_stage(tmp_path):
     out, summary_path = tmp_path / "pg", tmp_path / "pg.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    # One worker: CI's other pytest worker holds the second core, so a pool only adds its start-up (the
+    # pool itself: tests/test_proving_parallel.py; the same rows either way, by construction).
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "proving_ground.py"), "--out", str(out), "--quick",
-                           "--json", str(summary_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                           "--workers", "1", "--json", str(summary_path)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
     summary = json.loads(summary_path.read_text())
 

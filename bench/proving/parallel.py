@@ -8,7 +8,7 @@ runs in this process, in order; with more, a spawned pool runs them, longest fir
 list), and hands each result back as it finishes. Every task draws its randomness from its own seeds
 (training seeds, sampling blocks), never from a process's global state, so the rows are the same
 either way (checked by hand on the quick run: identical JSON with 1 and 2 workers, timings aside; CI's
-quick run uses the default, 2).
+quick run uses 1, as its other pytest worker holds the second core; tests/test_proving_parallel.py runs the pool).
 
 A worker is a fresh interpreter (``spawn``: a fork would copy torch's thread pools and any lock held at
 the fork): :func:`prepare_worker` gives it the thread rule and the in-process flag of the parent, and

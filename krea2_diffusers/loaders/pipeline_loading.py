@@ -10,9 +10,11 @@ old folder's module paths are read as today's), ``"tiny-random"`` or ``"krea2-di
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
+from ..conditioning.tokenizer import folder_tokenizer
 from ..models.digits import digits_components, digits_folder, is_digits
 from ..models.tiny import TINY_LABEL, is_tiny, tiny_components
 from ..models.transformer import Krea2Transformer2DModel
@@ -70,6 +72,10 @@ class Krea2PipelineLoadingMixin:
             pipe.label = TINY_LABEL
             logger.warning("Loaded %s", TINY_LABEL)
             return pipe
+        local_tokenizer = Path(pretrained_model_name_or_path) / "tokenizer"
+        if "tokenizer" not in kwargs and (local_tokenizer / "tokenizer.json").is_file():
+            # Parsed once per process for each content (every folder this project writes holds the same one).
+            kwargs["tokenizer"] = folder_tokenizer(local_tokenizer)
         if "transformer" not in kwargs:
             sub = {k: kwargs[k] for k in ("torch_dtype", "cache_dir", "local_files_only", "revision", "token") if k in kwargs}
             kwargs["transformer"] = Krea2Transformer2DModel.from_pretrained(pretrained_model_name_or_path, subfolder="transformer", **sub)
