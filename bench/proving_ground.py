@@ -100,10 +100,10 @@ QUICK = Settings(
     vae_steps=25, vae_learning_rate=3e-3, vae_stats_images=256,
     pretrain=PretrainSpec(stages=[Stage("s32", 32, 40, 16), Stage("s64", 64, 10, 16)], architecture=ARCHITECTURE,
                           learning_rate=2e-3, warmup_steps=5, checkpoint_every=25),
-    lora=LoraSpec(steps=30, batch_size=8, rank=8, learning_rate=1e-2, images=64),
+    lora=LoraSpec(steps=12, batch_size=8, rank=8, learning_rate=1e-2, images=64),
     lora_user=UserLoraSpec(steps=6, learning_rate=6e-3, rank=4, caption_dropout=0.2, images=16),
     edit=EditSpec(steps=4, learning_rate=5e-3, rank=4, batch_size=2, pairs=16, per_digit=1),
-    per_digit=2, guidance=3.0, sampling_steps=8, judge_epochs=3, pretrain_images=256,
+    per_digit=2, guidance=3.0, sampling_steps=6, judge_epochs=3, pretrain_images=256,
     cfg_scales=(1.5, 2.0, 3.0, 4.0, 5.0),  # the pinned minimum: guidance 0 and five scales
 )
 STAGE_WHAT = {

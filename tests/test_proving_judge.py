@@ -100,3 +100,33 @@ def test_pretraining_captions_name_the_digit_and_describe_the_scan():
     # Each word is kept with probability 0.7: of the 40 it could write here, about 28 (sd 2.9).
     written = sum(len([w for w in c.split(", ") if w in described]) for c in captions)
     assert 15 <= written < 40
+
+
+def test_the_report_proof_reads_its_gates_over_every_checkpoint_and_within_the_judges_leak_bound():
+    """Issue 41's proof (bench/proving/report_proof.py): the judge's ``moved`` is 0 for the base's own
+    samples and 1 for another seed's; the gates are read over every checkpoint and over those the judge
+    finds within the report's leak bound, where a better checkpoint that leaks no longer counts."""
+    from finetune.report.recommend import LEAK_BOUND
+    from proving.report_proof import compare, moved
+
+    class Flat:  # a judge whose features are the pixels
+        def features(self, images):
+            return np.asarray(images, np.float64).reshape(len(images), -1)
+
+    base = np.random.default_rng(0).integers(0, 256, (20, 4, 4, 3)).astype(np.uint8)  # 10 digits x 2 seeds
+    swapped = base.reshape(10, 2, 4, 4, 3)[:, ::-1].reshape(base.shape)  # each digit's two seeds exchanged
+    assert moved(Flat(), base, base, 2) == 0 and moved(Flat(), swapped, base, 2) == pytest.approx(1.0)
+
+    report = {"checkpoints": [{"step": s, "concept": c} for s, c in ((100, 0.6), (200, 0.7), (300, 0.8))],
+              "recommended": {"step": 100, "reason": "earliest"}}
+    row = lambda step, concept, accuracy, moved: {"step": step, "concept_share": concept, "accuracy": accuracy,  # noqa: E731
+                                                  "judge_moved": moved}
+    leaking = [row(100, 0.80, 0.92, 0.3), row(200, 0.84, 0.95, LEAK_BOUND + 0.1), row(300, 0.90, 1.0, 1.2)]
+    result = compare(report, leaking)
+    assert result["gates"]["concept_within"] is False and result["gates"]["accuracy_within"] is False and not result["met"]
+    assert result["judge_within_leak_steps"] == [100] and result["met_within_leak"] and result["spearman_rho"] == 1.0
+    # A later checkpoint within the bound that the judge rates higher: the recommendation misses either way.
+    better = [row(100, 0.80, 0.92, 0.3), row(200, 0.88, 0.99, LEAK_BOUND), row(300, 0.90, 1.0, 1.2)]
+    result = compare(report, better)
+    assert result["judge_within_leak_steps"] == [100, 200] and not result["met_within_leak"] and not result["met"]
+    assert result["judge_best_within_leak"] == {"concept_share": 0.88, "accuracy": 0.99}

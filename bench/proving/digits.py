@@ -75,7 +75,7 @@ def described_captions(images: np.ndarray, labels: np.ndarray, seed: int = CAPTI
 
     rng = random.Random(seed)
     ink = 255.0 - images.astype(np.float32).mean(axis=3)  # (N, H, W) darkness
-    mass = ink.mean(axis=(1, 2))
+    mass = ink_mass(images)
     columns = (ink > 64).any(axis=1).sum(axis=1)
     thin, bold = np.quantile(mass, [1 / 3, 2 / 3])
     narrow, wide = np.quantile(columns, [1 / 3, 2 / 3])
@@ -94,6 +94,12 @@ def described_captions(images: np.ndarray, labels: np.ndarray, seed: int = CAPTI
         rng.shuffle(words)
         out.append(", ".join([rng.choice(CAPTION_TEMPLATES).format(n=NAMES[int(digit)]), *words]))
     return out
+
+
+def ink_mass(images: np.ndarray) -> np.ndarray:
+    """float (N,): each uint8 (N, H, W, 3) image's mean darkness (255 - the channels' mean), 0..255: how
+    much ink it holds (stroke weight, for digits of one size)."""
+    return (255.0 - images.astype(np.float32).mean(axis=3)).mean(axis=(1, 2))
 
 
 def render(scans: np.ndarray, resolution: int, ink=BLACK_INK) -> np.ndarray:
