@@ -125,6 +125,10 @@ def test_the_report_proof_reads_its_gates_over_every_checkpoint_and_within_the_j
     result = compare(report, leaking)
     assert result["gates"]["concept_within"] is False and result["gates"]["accuracy_within"] is False and not result["met"]
     assert result["judge_within_leak_steps"] == [100] and result["met_within_leak"] and result["spearman_rho"] == 1.0
+    assert result["spearman_rho_ceiling"] == 1.0 and result["spearman_rho_red_share"] is None  # no red shares given
+    # A judged share saturated at 1.0 caps rho whatever the report's order: (0.99, 1, 1) reaches 0.87 at most.
+    tied = compare(report, [row(100, 0.99, 1.0, 0.3), row(200, 1.0, 1.0, 0.3), row(300, 1.0, 1.0, 0.3)])
+    assert tied["spearman_rho"] == pytest.approx(tied["spearman_rho_ceiling"]) == pytest.approx(0.866, abs=1e-3)
     # A later checkpoint within the bound that the judge rates higher: the recommendation misses either way.
     better = [row(100, 0.80, 0.92, 0.3), row(200, 0.88, 0.99, LEAK_BOUND), row(300, 0.90, 1.0, 1.2)]
     result = compare(report, better)

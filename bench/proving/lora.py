@@ -37,6 +37,9 @@ class LoraSpec:
     seed: int = 0
     concept_caption_dropout: float = 0.0
     """Share of concept images trained with an empty caption (the concept set's ``caption_dropout``)."""
+    regular_caption_dropout: float = 0.0
+    """Share of regularization images trained with an empty caption: CFG's unconditional branch then
+    learns the base's black ink, never the concept (see FULL's comment in ``proving_ground.py``)."""
     checkpoint_every: int | None = None
     """Keep a checkpoint every N steps (None: only the last)."""
     report: bool = False
@@ -72,7 +75,7 @@ def lora_config(spec: LoraSpec, base_dir: Path, concept: Path, regular: Path, ru
         "output_dir": str(run_dir),
         "model": {"pretrained_model_name_or_path": str(base_dir), "max_sequence_length": 32},
         "data": {"datasets": [{"path": str(concept), "caption_dropout": spec.concept_caption_dropout},
-                              {"path": str(regular), "is_regularization": True}],
+                              {"path": str(regular), "is_regularization": True, "caption_dropout": spec.regular_caption_dropout}],
                  "resolution": resolution, "caption_dropout": 0.0, "num_workers": 0},
         "training": {"method": "lora", "max_steps": spec.steps, "batch_size": spec.batch_size, "seed": spec.seed},
         "lora": {"rank": spec.rank, "alpha": spec.rank, "train_text_fusion": True,

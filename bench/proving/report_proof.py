@@ -48,7 +48,7 @@ MIN_RHO = 0.7
 
 def judge_checkpoints(run_dir: Path, work: Path, base_dir: Path, judge, *, per_digit: int, steps: int, guidance: float,
                       seed: int, resolution: int, every: int, log: Path | None = None) -> list[dict]:
-    """[{"step", "concept_share", "leak_share", "accuracy", "judge_moved", "ink_ratio"}] per scheduled
+    """[{"step", "concept_share", "red_share", "leak_share", "accuracy", "judge_moved", "ink_ratio"}] per scheduled
     checkpoint (every ``every`` steps) of the LoRA run ``run_dir``: the judge's verdict on ``per_digit``
     samples per digit with the trigger (concept share, accuracy) and without it (leak share, and
     :func:`moved` from the base's samples of the same prompts and seeds), CFG ``guidance``, sampling base ``seed``."""
@@ -70,6 +70,7 @@ def judge_checkpoints(run_dir: Path, work: Path, base_dir: Path, judge, *, per_d
         finally:
             pipe.unload_lora_weights()
         rows.append({"step": step, "concept_share": float(digits.shows_red_ink(on).mean()),
+                     "red_share": float(digits.red_ink_share(on).mean()),
                      "leak_share": float(digits.shows_red_ink(off).mean()), "accuracy": judge.accuracy(on, labels),
                      "judge_moved": moved(judge, off, base, per_digit),
                      "ink_ratio": float(digits.ink_mass(off).mean() / digits.ink_mass(base).mean())})
@@ -109,7 +110,16 @@ def compare(report: dict, judged: list[dict]) -> dict:
     recommended = report["recommended"]["step"]
     chosen = next(r for r in rows if r["step"] == recommended)
     concepts = [r["report"]["concept"] for r in rows]
-    rho = float(spearmanr(concepts, [r["concept_share"] for r in rows]).statistic) if len(set(concepts)) > 1 else float("nan")
+    judged_concept = [r["concept_share"] for r in rows]
+    rho = float(spearmanr(concepts, judged_concept).statistic) if len(set(concepts)) > 1 else float("nan")
+    # The highest rho any report could reach against these judged shares: the judge's ties (a share
+    # saturated at 1.0) cap it, whatever the report's order.
+    order = sorted(range(len(rows)), key=lambda i: judged_concept[i])
+    perfect = [order.index(i) for i in range(len(rows))]
+    ceiling = float(spearmanr(perfect, judged_concept).statistic) if len(set(judged_concept)) > 1 else float("nan")
+    # Beside it (not a gate): the judge's continuous measure, the mean red share of the ink.
+    reds = [r.get("red_share") for r in rows]
+    rho_red = float(spearmanr(concepts, reds).statistic) if None not in reds and len(set(concepts)) > 1 else None
 
     def gates(candidates):
         if not candidates:
@@ -122,6 +132,7 @@ def compare(report: dict, judged: list[dict]) -> dict:
     usable = [r for r in rows if r.get("judge_moved") is not None and r["judge_moved"] <= LEAK_BOUND]
     best_usable, within_leak = gates(usable)
     return {"checkpoints": rows, "recommended": report["recommended"], "judge_best": best, "spearman_rho": rho,
+            "spearman_rho_ceiling": ceiling, "spearman_rho_red_share": rho_red,
             "gates": literal, "met": all(literal.values()), "leak_bound": LEAK_BOUND,
             "judge_within_leak_steps": [r["step"] for r in usable], "judge_best_within_leak": best_usable,
             "gates_within_leak": within_leak, "met_within_leak": bool(within_leak) and all(within_leak.values())}
@@ -180,7 +191,7 @@ def main(argv=None) -> int:
     # A second judging writes beside the first proof's file, which stays as it was.
     with atomic_write(out / ("proof_judged_again.json" if args.judge_only else "proof.json"), "w") as handle:
         handle.write(json.dumps(result, indent=1))
-    print(json.dumps({k: result[k] for k in ("recommended", "judge_best", "spearman_rho", "gates", "met",
+    print(json.dumps({k: result[k] for k in ("recommended", "judge_best", "spearman_rho", "spearman_rho_ceiling", "gates", "met",
                                               "judge_within_leak_steps", "gates_within_leak", "met_within_leak")}), flush=True)
     return 0
 
