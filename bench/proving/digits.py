@@ -74,8 +74,8 @@ def described_captions(images: np.ndarray, labels: np.ndarray, seed: int = CAPTI
     import random
 
     rng = random.Random(seed)
-    ink = 255.0 - images.astype(np.float32).mean(axis=3)  # (N, H, W) darkness
-    mass = ink_mass(images)
+    ink = darkness(images)
+    mass = ink.mean(axis=(1, 2))  # ink_mass(images)
     columns = (ink > 64).any(axis=1).sum(axis=1)
     thin, bold = np.quantile(mass, [1 / 3, 2 / 3])
     narrow, wide = np.quantile(columns, [1 / 3, 2 / 3])
@@ -96,10 +96,15 @@ def described_captions(images: np.ndarray, labels: np.ndarray, seed: int = CAPTI
     return out
 
 
+def darkness(images: np.ndarray) -> np.ndarray:
+    """float (N, H, W): 255 - the channels' mean of each uint8 (N, H, W, 3) image, 0..255."""
+    return 255.0 - images.astype(np.float32).mean(axis=3)
+
+
 def ink_mass(images: np.ndarray) -> np.ndarray:
-    """float (N,): each uint8 (N, H, W, 3) image's mean darkness (255 - the channels' mean), 0..255: how
-    much ink it holds (stroke weight, for digits of one size)."""
-    return (255.0 - images.astype(np.float32).mean(axis=3)).mean(axis=(1, 2))
+    """float (N,): each uint8 (N, H, W, 3) image's mean :func:`darkness`, 0..255: how much ink it holds
+    (stroke weight, for digits of one size)."""
+    return darkness(images).mean(axis=(1, 2))
 
 
 def render(scans: np.ndarray, resolution: int, ink=BLACK_INK) -> np.ndarray:

@@ -170,12 +170,12 @@ def main(argv=None) -> int:
     splits = digits.load_splits(pg.RESOLUTION, seeds.split)
     judge = train_judge(splits, seed=seeds.judge, epochs=settings.judge_epochs,
                         scans=digits.halves(splits.train_labels, seeds.halves)[0])
-    spec = dataclasses.replace(settings.lora, seed=seeds.lora, checkpoint_every=args.every, report=True)
     if args.judge_only:  # the training's time, as the first proof recorded it
         previous = out / "proof.json"
         seconds = json.loads(previous.read_text()).get("train_seconds") if previous.is_file() else None
         exports = out / "exports_judged_again"
     else:
+        spec = dataclasses.replace(settings.lora, seed=seeds.lora, checkpoint_every=args.every, report=True)
         start = time.perf_counter()
         run_lora(spec, splits, run / "models" / "base", out, out / "lora_diffusers.safetensors", log=out / "commands.log")
         seconds = round(time.perf_counter() - start, 1)
