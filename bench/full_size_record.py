@@ -91,8 +91,12 @@ def dequant_path(layer) -> str | None:
     """How ``layer`` turns its stored weight into the matmul's (None for a plain float layer)."""
     name = type(layer).__name__
     if name == "PackedLinear":
-        return (f"GGUF {layer.qtype.name}: krea2_diffusers.quantization.gguf.dequant (float32 chunks of "
-                "CHUNK_VALUES, rounded once) inside chunked_linear's output-row chunks; backward re-expands (training: keeps the recompute's)")
+        expand = (f"GGUF {layer.qtype.name}: krea2_diffusers.quantization.gguf.dequant (float32 chunks of "
+                  "CHUNK_VALUES, rounded once) inside chunked_linear's output-row chunks; backward re-expands (training: keeps the recompute's)")
+        if layer.in_int4_layout:
+            return ("int4 layout: bf16 CPU calls without gradient up to int4_layout.row_limit() rows run "
+                    f"aten._weight_int4pack_mm_for_cpu (no expansion); otherwise {expand}")
+        return expand
     if name == "Fp8Linear":
         return ("fp8: krea2_diffusers.quantization.fp8.dequantize_weight (a 256-entry table per row, index_select) "
                 "inside chunked_linear's output-row chunks; backward re-expands (training: keeps the recompute's)")

@@ -97,7 +97,7 @@ def _blocks_q5_1(b: torch.Tensor, out: torch.Tensor) -> None:
     out.mul_(_fp16(b[:, 0:2])).add_(_fp16(b[:, 2:4]))
 
 
-def _k_scales_mins(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def k_scales_mins(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Unpack Q4_K/Q5_K's 12 scale bytes -> two ``(n, 8)`` uint8 tensors of 6-bit numbers.
 
     Bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7; bytes 4-7 the same
@@ -112,7 +112,7 @@ def _k_scales_mins(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _k_affine_(b: torch.Tensor, out: torch.Tensor) -> None:
     """Shared tail of Q4_K/Q5_K, in place on ``out`` holding the integers: ``d * sc * q - dmin * m``
     per 32-value sub-block (both products exact in float32, one rounding in the difference)."""
-    sc, mn = _k_scales_mins(b[:, 4 : 4 + K_SCALES_BYTES])
+    sc, mn = k_scales_mins(b[:, 4 : 4 + K_SCALES_BYTES])
     scale = (_fp16(b[:, 0:2]) * sc).unsqueeze(-1)
     offset = (_fp16(b[:, 2:4]) * mn).unsqueeze(-1)
     out.view(-1, K_SUBBLOCKS, QK_K // K_SUBBLOCKS).mul_(scale).sub_(offset)

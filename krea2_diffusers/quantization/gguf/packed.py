@@ -16,6 +16,13 @@ call's matrix was fresh memory (0.19 GiB in bf16 for a 16384 x 6144 MLP matrix),
 its pages in cost more than the dequantization itself (bench/bench_dequant.py: its ``fresh pages``
 rows, and PackedLinear's forward against the matmul alone). Backward re-expands the packed rows
 instead of keeping the expanded weight for it.
+
+Q4_0, Q4_1 and Q4_K layers called on the CPU with bf16 activations and no gradient to compute
+(generation) run torch's fused int4 kernel instead (:mod:`.int4_layout`): the first such call
+re-lays out the layer's bytes for it, in place and at the same size, and later calls never expand
+the weight. The kernel's cost grows with the rows of ``x`` and expansion's does not, so on CPUs
+with bf16 matmul units it is taken up to ``int4_layout.NATIVE_BF16_MAX_ROWS`` rows a call (a
+128 px image's tokens), and always on CPUs that emulate bf16.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ import torch
 import torch.nn as nn
 from gguf import GGMLQuantizationType
 
-from ..chunked_linear import chunked_linear
+from ..chunked_linear import chunked_linear, row_chunks
+from . import int4_layout
 from .dequant import dequantize
 from .qtypes import PACKED_TYPES, row_bytes
 
@@ -51,10 +59,49 @@ class PackedLinear(nn.Linear):
         self.qtype = qtype
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        # Set when the bytes are in the int4 layout: ``weight`` then holds the (out, in // 2) nibbles
+        # in the kernel's order and this the blocks' headers; together the same bytes as before.
+        self.register_buffer("int4_heads", None)
+
+    @property
+    def in_int4_layout(self) -> bool:
+        return self.int4_heads is not None
+
+    def use_int4_layout(self) -> bool:
+        """Re-lay out the packed bytes for torch's CPU int4 kernel, in place (same size); False when
+        this type or shape has no such layout or the bytes are not on the CPU."""
+        if self.int4_heads is not None:
+            return True
+        if self.weight.device.type != "cpu" or not int4_layout.supported(self.qtype, self.out_features, self.in_features):
+            return False
+        # Ordinary tensors even when the first call runs under inference_mode: the layer may train later.
+        with torch.inference_mode(False), torch.no_grad():
+            parts = [int4_layout.to_int4_layout(self.weight[rows], self.qtype, self.in_features)
+                     for rows in self.row_slices(self.weight.device)]
+            nibbles, heads = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        self.weight = nn.Parameter(nibbles, requires_grad=False)
+        self.int4_heads = heads
+        return True
+
+    def row_slices(self, device: torch.device) -> list[slice]:
+        return row_chunks(self.out_features, self.in_features, device, int4_layout.ROW_BLOCK)
+
+    def takes_int4_kernel(self, x: torch.Tensor) -> bool:
+        """Whether this call runs torch's int4 kernel (converting the layout on the first one)."""
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or self.weight.device.type != "cpu":
+            return False
+        if torch.is_grad_enabled() and x.requires_grad:
+            return False  # the kernel has no backward
+        limit = int4_layout.row_limit()
+        if limit is not None and x.numel() // self.in_features > limit:
+            return False
+        if torch.compiler.is_compiling():
+            return self.int4_heads is not None  # never swap parameters inside a traced graph
+        return self.use_int4_layout()
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The full ``(out_features, in_features)`` weight in ``dtype``, on the packed bytes' device."""
-        return dequantize(self.weight, self.qtype, (self.out_features, self.in_features), dtype)
+        return self.weight_rows(slice(0, self.out_features), dtype, self.weight.device).reshape(self.out_features, self.in_features)
 
     def packed_on(self, device: torch.device) -> torch.Tensor:
         """The packed bytes on ``device`` (the stored tensor itself when it is already there)."""
@@ -64,19 +111,29 @@ class PackedLinear(nn.Linear):
 
     def weight_rows(self, rows: slice, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Rows ``rows`` of the weight, ``(len(rows), in_features)`` in ``dtype``, expanded on ``device``."""
-        packed = self.packed_on(device)[rows]
+        if self.int4_heads is not None:
+            heads = self.int4_heads.to(device)
+            packed = int4_layout.ggml_rows(self.packed_on(device), heads, self.qtype, self.in_features, rows)
+        else:
+            packed = self.packed_on(device)[rows]
         return dequantize(packed, self.qtype, (packed.shape[0], self.in_features), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``(..., in_features)`` float -> ``(..., out_features)`` in ``x.dtype``."""
-        return chunked_linear(x, self.weight_rows, self.out_features, self.in_features, self.bias)
+        if self.takes_int4_kernel(x):
+            table = int4_layout.scales_and_zeros(self.int4_heads, self.qtype, self.in_features)
+            out = int4_layout.int4_matmul(x, self.weight, table)
+            return out if self.bias is None else out + self.bias.to(out.dtype)
+        multiple = int4_layout.ROW_BLOCK if self.int4_heads is not None else 1
+        return chunked_linear(x, self.weight_rows, self.out_features, self.in_features, self.bias, multiple)
 
     def reset_parameters(self) -> None:
         # nn.Linear's initialiser would try to re-randomise the packed bytes; they are data, not parameters to init.
         pass
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, qtype={self.qtype.name}"
+        layout = ", layout=int4" if self.int4_heads is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, qtype={self.qtype.name}{layout}"
 
 
 def resident_bytes(module: nn.Module) -> int:
