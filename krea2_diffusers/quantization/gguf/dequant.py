@@ -46,8 +46,8 @@ SIX_BITS = 0x3F
 CHUNK_VALUES = 1 << 18
 
 
-def _fp16(raw: torch.Tensor) -> torch.Tensor:
-    """``(n, 2)`` uint8 little-endian halves -> ``(n, 1)`` float32 (exact)."""
+def fp16_values(raw: torch.Tensor) -> torch.Tensor:
+    """``(..., 2)`` uint8 little-endian halves -> ``(..., 1)`` float32 (exact)."""
     return raw.contiguous().view(torch.float16).float()
 
 
@@ -57,8 +57,8 @@ def _nibbles_into(out: torch.Tensor, packed: torch.Tensor) -> None:
     out.select(-2, 1).copy_(packed >> 4)
 
 
-def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """``(n, k)`` uint8 -> ``(n, 2, k)`` uint8: low nibbles then high nibbles."""
+def split_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """``(n, ...)`` uint8 -> ``(n, 2, ...)`` uint8: low nibbles then high nibbles."""
     return torch.stack((packed & NIBBLE, packed >> 4), dim=1)
 
 
@@ -69,32 +69,32 @@ def _bits(packed: torch.Tensor) -> torch.Tensor:
 
 
 def _blocks_q8_0(b: torch.Tensor, out: torch.Tensor) -> None:
-    torch.mul(b[:, FP16_BYTES:].view(torch.int8), _fp16(b[:, :FP16_BYTES]), out=out)
+    torch.mul(b[:, FP16_BYTES:].view(torch.int8), fp16_values(b[:, :FP16_BYTES]), out=out)
 
 
 def _blocks_q4_0(b: torch.Tensor, out: torch.Tensor) -> None:
     _nibbles_into(out.view(-1, 2, LEGACY_BLOCK // 2), b[:, FP16_BYTES:])
-    out.sub_(8).mul_(_fp16(b[:, :FP16_BYTES]))
+    out.sub_(8).mul_(fp16_values(b[:, :FP16_BYTES]))
 
 
 def _blocks_q4_1(b: torch.Tensor, out: torch.Tensor) -> None:
     _nibbles_into(out.view(-1, 2, LEGACY_BLOCK // 2), b[:, 4:])
-    out.mul_(_fp16(b[:, 0:2])).add_(_fp16(b[:, 2:4]))
+    out.mul_(fp16_values(b[:, 0:2])).add_(fp16_values(b[:, 2:4]))
 
 
 def _q5_values(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
     """5-bit values of a legacy block (uint8): low 4 bits from ``qs`` nibbles, 5th bit from ``qh``."""
-    return _nibbles(qs).flatten(1) | (_bits(qh) << 4)
+    return split_nibbles(qs).flatten(1) | (_bits(qh) << 4)
 
 
 def _blocks_q5_0(b: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(_q5_values(b[:, 2:6], b[:, 6:]))
-    out.sub_(16).mul_(_fp16(b[:, 0:2]))
+    out.sub_(16).mul_(fp16_values(b[:, 0:2]))
 
 
 def _blocks_q5_1(b: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(_q5_values(b[:, 4:8], b[:, 8:]))
-    out.mul_(_fp16(b[:, 0:2])).add_(_fp16(b[:, 2:4]))
+    out.mul_(fp16_values(b[:, 0:2])).add_(fp16_values(b[:, 2:4]))
 
 
 def k_scales_mins(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,8 +113,8 @@ def _k_affine_(b: torch.Tensor, out: torch.Tensor) -> None:
     """Shared tail of Q4_K/Q5_K, in place on ``out`` holding the integers: ``d * sc * q - dmin * m``
     per 32-value sub-block (both products exact in float32, one rounding in the difference)."""
     sc, mn = k_scales_mins(b[:, 4 : 4 + K_SCALES_BYTES])
-    scale = (_fp16(b[:, 0:2]) * sc).unsqueeze(-1)
-    offset = (_fp16(b[:, 2:4]) * mn).unsqueeze(-1)
+    scale = (fp16_values(b[:, 0:2]) * sc).unsqueeze(-1)
+    offset = (fp16_values(b[:, 2:4]) * mn).unsqueeze(-1)
     out.view(-1, K_SUBBLOCKS, QK_K // K_SUBBLOCKS).mul_(scale).sub_(offset)
 
 
@@ -143,7 +143,7 @@ def _blocks_q6_k(b: torch.Tensor, out: torch.Tensor) -> None:
     shifts = torch.tensor([0, 2, 4, 6], device=b.device, dtype=torch.uint8).view(1, 1, -1, 1)
     high = ((qh.unsqueeze(2) >> shifts) & 3).reshape(-1, 2, 128)  # value p: bits 2 * (p // 32)
     out.view(-1, 2, 128).copy_(low | (high << 4))
-    scale = (_fp16(b[:, 208:210]) * scales).unsqueeze(-1)  # d * scale: exact in float32
+    scale = (fp16_values(b[:, 208:210]) * scales).unsqueeze(-1)  # d * scale: exact in float32
     out.view(-1, Q6K_SUBBLOCKS, QK_K // Q6K_SUBBLOCKS).sub_(32).mul_(scale)
 
 

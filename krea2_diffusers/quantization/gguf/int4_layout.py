@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType
 
-from .dequant import k_scales_mins
+from .dequant import fp16_values, k_scales_mins, split_nibbles
 from .qtypes import block_geometry
 
 Q = GGMLQuantizationType
@@ -40,7 +40,6 @@ ROW_BLOCK = 64  # rows per block of torch's CPU int4 layout
 HALF_ROWS = ROW_BLOCK // 2  # rows j < 32 of a block take the low nibble
 HEAD_BYTES = {Q.Q4_0: 2, Q.Q4_1: 4, Q.Q4_K: 16}  # bytes before a block's nibbles
 CHUNK_BYTES = {Q.Q4_0: 16, Q.Q4_1: 16, Q.Q4_K: 32}  # a chunk's low nibbles are one group, its high the next
-NIBBLE = 0x0F
 LEVEL_MID = 8  # the kernel's implicit offset: w = scale * (q - 8) + zero
 
 
@@ -54,8 +53,7 @@ def _split(packed: torch.Tensor, qtype: GGMLQuantizationType, in_features: int) 
     block_size, type_size = block_geometry(qtype)
     head, chunk = HEAD_BYTES[qtype], CHUNK_BYTES[qtype]
     blocks = packed.reshape(packed.shape[0], in_features // block_size, type_size)
-    nibbles = blocks[..., head:].reshape(packed.shape[0], -1, chunk)
-    values = torch.stack((nibbles & NIBBLE, nibbles >> 4), dim=2)  # (n, chunks, 2, chunk)
+    values = split_nibbles(blocks[..., head:].reshape(-1, chunk))  # (n * chunks, 2, chunk)
     return blocks[..., :head], values.reshape(packed.shape[0], in_features)
 
 
@@ -73,7 +71,7 @@ def ggml_rows(nibbles: torch.Tensor, heads: torch.Tensor, qtype: GGMLQuantizatio
     """Rows ``rows`` (64-row aligned) of the GGML bytes, ``(len(rows), row_bytes)`` uint8, on the layout's device."""
     start, stop = rows.start // ROW_BLOCK, -(-min(rows.stop, nibbles.shape[0]) // ROW_BLOCK)
     packed = nibbles.view(-1, in_features, HALF_ROWS)[start:stop].transpose(1, 2)  # (row blocks, 32, in)
-    values = torch.stack((packed & NIBBLE, packed >> 4), dim=1).reshape(-1, in_features)
+    values = split_nibbles(packed).reshape(-1, in_features)  # (row blocks, low/high, 32, in)
     block_size, type_size = block_geometry(qtype)
     head, chunk = HEAD_BYTES[qtype], CHUNK_BYTES[qtype]
     n = values.shape[0]
@@ -84,25 +82,21 @@ def ggml_rows(nibbles: torch.Tensor, heads: torch.Tensor, qtype: GGMLQuantizatio
     return out.view(n, -1)
 
 
-def _fp16(raw: torch.Tensor) -> torch.Tensor:
-    return raw.contiguous().view(torch.float16).float()
-
-
 def scales_and_zeros(heads: torch.Tensor, qtype: GGMLQuantizationType, in_features: int,
                      dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The kernel's ``(in_features // 32, n, 2)`` table of each group's (scale, zero), from the
     block heads ``(n, head bytes)``: computed in float32 as :mod:`.dequant` does, rounded once."""
     n = heads.shape[0]
     h = heads.view(n, -1, HEAD_BYTES[qtype])
-    d = _fp16(h[..., 0:2])
+    d = fp16_values(h[..., 0:2])
     if qtype == Q.Q4_0:
         scale, zero = d, torch.zeros_like(d)
     elif qtype == Q.Q4_1:
-        scale, zero = d, LEVEL_MID * d + _fp16(h[..., 2:4])
+        scale, zero = d, LEVEL_MID * d + fp16_values(h[..., 2:4])
     else:
         sc, mn = k_scales_mins(h[..., 4:16].reshape(-1, 12))
         scale = (d.reshape(-1, 1) * sc).view(n, -1)  # (n, groups): d * sc, exact in float32
-        zero = LEVEL_MID * scale - (_fp16(h[..., 2:4]).reshape(-1, 1) * mn).view(n, -1)
+        zero = LEVEL_MID * scale - (fp16_values(h[..., 2:4]).reshape(-1, 1) * mn).view(n, -1)
     table = torch.stack((scale.reshape(n, -1), zero.reshape(n, -1)), dim=-1)  # (n, groups, 2)
     return table.transpose(0, 1).to(dtype).contiguous()
 

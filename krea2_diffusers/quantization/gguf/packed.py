@@ -70,7 +70,7 @@ class PackedLinear(nn.Linear):
     def use_int4_layout(self) -> bool:
         """Re-lay out the packed bytes for torch's CPU int4 kernel, in place (same size); False when
         this type or shape has no such layout or the bytes are not on the CPU."""
-        if self.int4_heads is not None:
+        if self.in_int4_layout:
             return True
         if self.weight.device.type != "cpu" or not int4_layout.supported(self.qtype, self.out_features, self.in_features):
             return False
@@ -96,12 +96,12 @@ class PackedLinear(nn.Linear):
         if limit is not None and x.numel() // self.in_features > limit:
             return False
         if torch.compiler.is_compiling():
-            return self.int4_heads is not None  # never swap parameters inside a traced graph
+            return self.in_int4_layout  # never swap parameters inside a traced graph
         return self.use_int4_layout()
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The full ``(out_features, in_features)`` weight in ``dtype``, on the packed bytes' device."""
-        return self.weight_rows(slice(0, self.out_features), dtype, self.weight.device).reshape(self.out_features, self.in_features)
+        return self.weight_rows(slice(0, self.out_features), dtype, self.weight.device)
 
     def packed_on(self, device: torch.device) -> torch.Tensor:
         """The packed bytes on ``device`` (the stored tensor itself when it is already there)."""
@@ -111,7 +111,7 @@ class PackedLinear(nn.Linear):
 
     def weight_rows(self, rows: slice, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Rows ``rows`` of the weight, ``(len(rows), in_features)`` in ``dtype``, expanded on ``device``."""
-        if self.int4_heads is not None:
+        if self.in_int4_layout:
             heads = self.int4_heads.to(device)
             packed = int4_layout.ggml_rows(self.packed_on(device), heads, self.qtype, self.in_features, rows)
         else:
@@ -124,7 +124,7 @@ class PackedLinear(nn.Linear):
             table = int4_layout.scales_and_zeros(self.int4_heads, self.qtype, self.in_features)
             out = int4_layout.int4_matmul(x, self.weight, table)
             return out if self.bias is None else out + self.bias.to(out.dtype)
-        multiple = int4_layout.ROW_BLOCK if self.int4_heads is not None else 1
+        multiple = int4_layout.ROW_BLOCK if self.in_int4_layout else 1
         return chunked_linear(x, self.weight_rows, self.out_features, self.in_features, self.bias, multiple)
 
     def reset_parameters(self) -> None:
@@ -132,7 +132,7 @@ class PackedLinear(nn.Linear):
         pass
 
     def extra_repr(self) -> str:
-        layout = ", layout=int4" if self.int4_heads is not None else ""
+        layout = ", layout=int4" if self.in_int4_layout else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, qtype={self.qtype.name}{layout}"
 
 
