@@ -94,14 +94,21 @@ def moved(judge, images, base, per_digit: int) -> float:
     return float(np.linalg.norm(features - reference, axis=-1).mean() / seeds)
 
 
+def rank_correlation(a: list, b: list) -> float:
+    """Spearman's rho of ``a`` and ``b``; NaN when either is constant (no order to compare)."""
+    from scipy.stats import spearmanr
+
+    if len(set(a)) < 2 or len(set(b)) < 2:
+        return float("nan")
+    return float(spearmanr(a, b).statistic)
+
+
 def compare(report: dict, judged: list[dict]) -> dict:
     """The report's rows beside the judge's, and the gates: the recommended checkpoint's judged concept
     share and accuracy each within :data:`WITHIN` of the best checkpoint's, and Spearman rho >= :data:`MIN_RHO`
     between the report's ``concept`` and the judge's concept share across checkpoints. ``gates``: the best
     over every checkpoint; ``gates_within_leak``: over those whose ``judge_moved`` is within the report's
     leak bound (none: that reading has no best)."""
-    from scipy.stats import spearmanr
-
     from finetune.report.recommend import LEAK_BOUND
 
     by_step = {row["step"]: row for row in report["checkpoints"]}
@@ -111,15 +118,14 @@ def compare(report: dict, judged: list[dict]) -> dict:
     chosen = next(r for r in rows if r["step"] == recommended)
     concepts = [r["report"]["concept"] for r in rows]
     judged_concept = [r["concept_share"] for r in rows]
-    rho = float(spearmanr(concepts, judged_concept).statistic) if len(set(concepts)) > 1 else float("nan")
+    rho = rank_correlation(concepts, judged_concept)
     # The highest rho any report could reach against these judged shares: the judge's ties (a share
     # saturated at 1.0) cap it, whatever the report's order.
     order = sorted(range(len(rows)), key=lambda i: judged_concept[i])
-    perfect = [order.index(i) for i in range(len(rows))]
-    ceiling = float(spearmanr(perfect, judged_concept).statistic) if len(set(judged_concept)) > 1 else float("nan")
+    ceiling = rank_correlation([order.index(i) for i in range(len(rows))], judged_concept)
     # Beside it (not a gate): the judge's continuous measure, the mean red share of the ink.
     reds = [r.get("red_share") for r in rows]
-    rho_red = float(spearmanr(concepts, reds).statistic) if None not in reds and len(set(concepts)) > 1 else None
+    rho_red = rank_correlation(concepts, reds) if None not in reds else None
 
     def gates(candidates):
         if not candidates:
