@@ -82,7 +82,7 @@ FULL = Settings(
     vae_steps=400,
     pretrain=PretrainSpec(stages=[Stage("s32", 32, 2500, 32), Stage("s64", 64, 500, 32)], architecture=ARCHITECTURE,
                           learning_rate=1.5e-3, warmup_steps=50, checkpoint_every=100),
-    # 600 steps, 1e-3, a fifth of the REGULARIZATION images with the empty caption. Until issue 41's
+    # 1600 steps, 1e-3, a fifth of the REGULARIZATION images with the empty caption. Until issue 41's
     # proof it was a fifth of the concept images: CFG's unconditional branch then learnt the concept
     # (seed 0: 98% of empty-prompt samples in red ink, lighter), and CFG pushed every prompt without
     # the trigger away from it, to bolder black strokes (ink 1.46x the base's, moved 1.27 seeds in the
@@ -91,7 +91,11 @@ FULL = Settings(
     # concept 1.0 / 1.0 (0.9 / 0.9 before), accuracy 1.0 / 0.91 (1.0 / 0.96), red leak 0 / 0, ink
     # without the trigger 0.97x / 0.98x (1.46x / 1.40x), moved 0.49 / 0.60 (1.27 / 1.20). On the first
     # base (ten fixed captions) the concept dropout had taken the red leak from 0.22 to 0.0.
-    lora=LoraSpec(steps=600, batch_size=16, rank=8, learning_rate=1e-3, images=300, regular_caption_dropout=0.2),
+    # 1600 steps, not 600: seed 2's base (never a selection base) bled red into 25-46% of untriggered
+    # prompts at 600 in issue 41's proof; at its selection seeds the leak was 0.23 at 600, 0.14 at
+    # 1000, 0.04 at 1600 (accuracy 0.91 -> 0.99), while more regularization weight or repeats changed
+    # nothing and a lower rate doubled it; seeds 0 / 1 keep leak 0.00 and accuracy 1.00 / 0.99 at 1600.
+    lora=LoraSpec(steps=1600, batch_size=16, rank=8, learning_rate=1e-3, images=300, regular_caption_dropout=0.2),
     # Batch 1 (the default). Chosen on seed 0's base at the tuning sampling block (never the report's):
     # with the text-fusion blocks adapted (krea2 train's default now), 4,000 steps at 3e-4 gave accuracy
     # 1.00 with the trigger, concept 0.93, leak 0.00 (CFG) / 0.025 (guidance 0); 2,000 at 1e-3 gave

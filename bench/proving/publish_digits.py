@@ -172,7 +172,11 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def write_card(base: Path, out: Path, seed: int, dtype: str, check: dict, lora: bool) -> None:
+LORA_MADE_BY = "the proving ground's concept LoRA"
+
+
+def write_card(base: Path, out: Path, seed: int, dtype: str, check: dict, lora: bool, lora_made_by: str = LORA_MADE_BY,
+               lora_path: str = "DIR/models/lora/lora_diffusers.safetensors") -> None:
     import math
 
     from krea2_diffusers.files import read_safetensors_header
@@ -183,11 +187,11 @@ def write_card(base: Path, out: Path, seed: int, dtype: str, check: dict, lora: 
     params = sum(math.prod(entry["shape"]) for entry in entries.values())
     text = CARD_TEMPLATE.read_text().format(
         seed=seed, checkpoint=checkpoint, dtype=dtype, params=f"{params / 1e6:.2f}M", training=f" ({summary})" if summary else "",
-        lora=("`lora/red_ink.safetensors` (the proving ground's concept LoRA, trigger `krxred ink`): "
+        lora=(f"`lora/red_ink.safetensors` ({lora_made_by}, trigger `krxred ink`): "
               "`--lora $(python -c \"from krea2_diffusers.models.digits import FOLDER; print(FOLDER)\")"
               "/lora/red_ink.safetensors` with the prompt `a handwritten digit seven, krxred ink` draws it in red ink."
               if lora else "No LoRA is shipped."),
-        lora_flag=" --lora DIR/models/lora/lora_diffusers.safetensors" if lora else "",
+        lora_flag=f" --lora {lora_path}" if lora else "",
         scans=CHECK_SCANS, **{k: f"{v:.2f}" for k, v in check.items()})
     (out / "MODEL_CARD.md").write_text(text)
 
@@ -201,8 +205,10 @@ def replace_folder(staging: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def publish(base: Path, out: Path = FOLDER, lora: Path | None = None, seed: int = 0, dtype: str = "float16") -> int:
-    """Check, convert and write; returns the folder's size in bytes."""
+def publish(base: Path, out: Path = FOLDER, lora: Path | None = None, seed: int = 0, dtype: str = "float16",
+            lora_made_by: str = LORA_MADE_BY, lora_path: str = "DIR/models/lora/lora_diffusers.safetensors") -> int:
+    """Check, convert and write; returns the folder's size in bytes. ``lora_made_by`` / ``lora_path``: what the
+    card says made the LoRA and the ``--lora`` argument it names (the LoRA's folder as the card shows it)."""
     from krea2_diffusers.files import atomic_write_dir
 
     for needed in ("model_index.json", "proving_ground.json", "transformer", "vae", "text_encoder", "tokenizer"):
@@ -215,7 +221,7 @@ def publish(base: Path, out: Path = FOLDER, lora: Path | None = None, seed: int 
         write_folder(base, tmp, dtype, digest, lora, f"python bench/proving_ground.py --seed {seed}, "
                      f"{json.loads((base / 'proving_ground.json').read_text())['checkpoint']}")
         check = conversion_check(base, tmp, seed)
-        write_card(base, tmp, seed, dtype, check, lora is not None)
+        write_card(base, tmp, seed, dtype, check, lora is not None, lora_made_by, lora_path)
         size = folder_bytes(tmp)
         if size > SIZE_BUDGET:
             raise ValueError(f"{out}: {size:,} bytes, over the repository's budget of {SIZE_BUDGET:,}")
@@ -231,8 +237,12 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the run's --seed (recorded in the card; default 0)")
     parser.add_argument("--dtype", choices=DTYPES, default="float16", help="the weights' storage (default float16)")
     parser.add_argument("--out", default=str(FOLDER), help=f"default {FOLDER.relative_to(ROOT)}")
+    parser.add_argument("--lora-made-by", default=LORA_MADE_BY, help="what trained the LoRA, as the card says it")
+    parser.add_argument("--lora-shown-as", default="DIR/models/lora/lora_diffusers.safetensors",
+                        help="the --lora argument as the card shows it (a path relative to the run, not this machine's)")
     args = parser.parse_args(argv)
-    publish(Path(args.base), Path(args.out), Path(args.lora) if args.lora else None, args.seed, args.dtype)
+    publish(Path(args.base), Path(args.out), Path(args.lora) if args.lora else None, args.seed, args.dtype,
+            args.lora_made_by, args.lora_shown_as)
     return 0
 
 
