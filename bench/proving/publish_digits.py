@@ -173,10 +173,12 @@ def folder_bytes(folder: Path) -> int:
 
 
 LORA_MADE_BY = "the proving ground's concept LoRA"
+LORA_SHOWN_AS = "DIR/models/lora/lora_diffusers.safetensors"
+"""The card's ``--lora`` argument by default: the proving ground's own LoRA, relative to its run folder."""
 
 
 def write_card(base: Path, out: Path, seed: int, dtype: str, check: dict, lora: bool, lora_made_by: str = LORA_MADE_BY,
-               lora_path: str = "DIR/models/lora/lora_diffusers.safetensors") -> None:
+               lora_shown_as: str = LORA_SHOWN_AS) -> None:
     import math
 
     from krea2_diffusers.files import read_safetensors_header
@@ -191,7 +193,7 @@ def write_card(base: Path, out: Path, seed: int, dtype: str, check: dict, lora: 
               "`--lora $(python -c \"from krea2_diffusers.models.digits import FOLDER; print(FOLDER)\")"
               "/lora/red_ink.safetensors` with the prompt `a handwritten digit seven, krxred ink` draws it in red ink."
               if lora else "No LoRA is shipped."),
-        lora_flag=f" --lora {lora_path}" if lora else "",
+        lora_flag=f" --lora {lora_shown_as}" if lora else "",
         scans=CHECK_SCANS, **{k: f"{v:.2f}" for k, v in check.items()})
     (out / "MODEL_CARD.md").write_text(text)
 
@@ -206,8 +208,8 @@ def replace_folder(staging: Path, out: Path) -> None:
 
 
 def publish(base: Path, out: Path = FOLDER, lora: Path | None = None, seed: int = 0, dtype: str = "float16",
-            lora_made_by: str = LORA_MADE_BY, lora_path: str = "DIR/models/lora/lora_diffusers.safetensors") -> int:
-    """Check, convert and write; returns the folder's size in bytes. ``lora_made_by`` / ``lora_path``: what the
+            lora_made_by: str = LORA_MADE_BY, lora_shown_as: str = LORA_SHOWN_AS) -> int:
+    """Check, convert and write; returns the folder's size in bytes. ``lora_made_by`` / ``lora_shown_as``: what the
     card says made the LoRA and the ``--lora`` argument it names (the LoRA's folder as the card shows it)."""
     from krea2_diffusers.files import atomic_write_dir
 
@@ -221,7 +223,7 @@ def publish(base: Path, out: Path = FOLDER, lora: Path | None = None, seed: int 
         write_folder(base, tmp, dtype, digest, lora, f"python bench/proving_ground.py --seed {seed}, "
                      f"{json.loads((base / 'proving_ground.json').read_text())['checkpoint']}")
         check = conversion_check(base, tmp, seed)
-        write_card(base, tmp, seed, dtype, check, lora is not None, lora_made_by, lora_path)
+        write_card(base, tmp, seed, dtype, check, lora is not None, lora_made_by, lora_shown_as)
         size = folder_bytes(tmp)
         if size > SIZE_BUDGET:
             raise ValueError(f"{out}: {size:,} bytes, over the repository's budget of {SIZE_BUDGET:,}")
@@ -238,7 +240,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=DTYPES, default="float16", help="the weights' storage (default float16)")
     parser.add_argument("--out", default=str(FOLDER), help=f"default {FOLDER.relative_to(ROOT)}")
     parser.add_argument("--lora-made-by", default=LORA_MADE_BY, help="what trained the LoRA, as the card says it")
-    parser.add_argument("--lora-shown-as", default="DIR/models/lora/lora_diffusers.safetensors",
+    parser.add_argument("--lora-shown-as", default=LORA_SHOWN_AS,
                         help="the --lora argument as the card shows it (a path relative to the run, not this machine's)")
     args = parser.parse_args(argv)
     publish(Path(args.base), Path(args.out), Path(args.lora) if args.lora else None, args.seed, args.dtype,
