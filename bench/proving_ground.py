@@ -112,7 +112,7 @@ QUICK = Settings(
     lora=LoraSpec(steps=12, batch_size=8, rank=8, learning_rate=1e-2, images=64),
     lora_user=UserLoraSpec(steps=6, learning_rate=6e-3, rank=4, caption_dropout=0.2, images=16),
     edit=EditSpec(steps=4, learning_rate=5e-3, rank=4, batch_size=2, pairs=16, per_digit=1),
-    per_digit=2, guidance=3.0, sampling_steps=6, judge_epochs=3, pretrain_images=256,
+    per_digit=2, guidance=3.0, sampling_steps=4, judge_epochs=3, pretrain_images=256,
     cfg_scales=(1.5, 2.0, 3.0, 4.0, 5.0),  # the pinned minimum: guidance 0 and five scales
 )
 STAGE_WHAT = {
@@ -212,10 +212,11 @@ def autoencoder(splits, settings: Settings, seeds, out: Path, judge, device: str
                                    log=lambda m: print(f"[proving ground] {m}", flush=True))
         vae_train = {"steps": result.steps, "seconds": round(result.seconds, 1)}
         clock.phase("autoencoder", result.seconds)
+        recon = result.reconstructions
     else:
         vae_train = json.loads((work / "vae.json").read_text()) if (work / "vae.json").exists() else {}
+        recon = reconstruct(load_autoencoder(vae_dir, device), splits.heldout, device=device)
     (work / "vae.json").write_text(json.dumps(vae_train))
-    recon = reconstruct(load_autoencoder(vae_dir, device), splits.heldout, device=device)
     mse = float(((recon.astype(np.float64) - splits.heldout) ** 2).mean() / 255**2)
     return vae_dir, {**vae_train, "mse": mse, "psnr": float(10 * np.log10(1 / max(mse, 1e-12))),
                      "judge_accuracy": judge.accuracy(recon, splits.heldout_labels),

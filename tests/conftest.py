@@ -45,19 +45,25 @@ SLOW_FIRST = (
 # Files whose tests use the session's servers: for pytest-xdist one unit of work per server, so each
 # server starts once, in one worker (13-17 s of CPU a start), instead of once in each. The demo app's
 # unit (``app_server``) is scheduled where its first file comes (test_app_train.py, above); the real
-# ComfyUI's (``comfyui``), :data:`HARNESS_LAST`, comes last of all.
+# ComfyUI's (``comfyui``), :data:`HARNESS_LAST`, comes last but for :data:`AFTER_HARNESS`.
 APP_FILES = frozenset({"test_app.py", "test_app_train.py"})
-# Last in the collection, so their unit is the last handed to a worker: on a fresh machine .ci/run
+# Late in the collection, so their unit is among the last handed to a worker: on a fresh machine .ci/run
 # builds the harness in the background (~5 min beside the tests); in one unit with the app's files the
 # first ComfyUI test still came ~4 min in and waited 129-165 s for it with its worker idle.
 # test_speed_knobs.py also starts the app once for its one app test.
 HARNESS_LAST = ("test_finetune_lora_bases.py", "test_finetune_lycoris.py", "test_speed_knobs.py",
                 "test_comfyui_server.py", "test_comfyui_references.py")
+# ...all but these files, which come after the harness's unit: with that unit (~90 s) last of all, the
+# other worker ran out of work and idled while it ran (pytest 908 s for 1,709 s of tests on 2 workers).
+# These (~100 s in all, none over 35 s) fill that worker instead; the harness unit still starts
+# ~13 min in, long after a fresh build (2-5 min) is done.
+AFTER_HARNESS = ("test_train_stop.py", "test_style_pipeline.py", "test_report_rule.py", "test_report.py",
+                 "test_run_lock.py", "test_step_caches.py")
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    rank.update({name: len(SLOW_FIRST) + 1 + i for i, name in enumerate(HARNESS_LAST)})
+    rank.update({name: len(SLOW_FIRST) + 1 + i for i, name in enumerate(HARNESS_LAST + AFTER_HARNESS)})
     items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: file order kept otherwise
 
 

@@ -86,6 +86,26 @@ def test_encoding_accepts_model_without_lm_head(tiny_pipe):
     assert torch.equal(full[0], base[0]) and torch.equal(full[1], base[1])
 
 
+def test_repeated_prompts_are_encoded_once_and_equal_their_rows_without_copies(tiny_pipe):
+    """CFG's empty negatives and a seed sweep's copies: each distinct prompt runs through the encoder once
+    (one batch of 2 here, not 5), and every copy is the row the 2-prompt batch gives (the padded length is the
+    longest prompt's either way)."""
+    from krea2_diffusers.conditioning.text import base_text_model, encode_prompts
+
+    prompts = ["a long prompt about a fox in the snow", "", "a long prompt about a fox in the snow", "", ""]
+    batches = []
+    hook = base_text_model(tiny_pipe.text_encoder).register_forward_pre_hook(
+        lambda module, args, kwargs: batches.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        embeds, mask = encode_prompts(tiny_pipe.text_encoder, tiny_pipe.tokenizer, prompts)
+        distinct, distinct_mask = encode_prompts(tiny_pipe.text_encoder, tiny_pipe.tokenizer, prompts[:2])
+    finally:
+        hook.remove()
+    assert batches == [2, 2]
+    rows = [0, 1, 0, 1, 1]
+    assert torch.equal(embeds, distinct[rows]) and torch.equal(mask, distinct_mask[rows])
+
+
 def test_position_ids_are_explicit(tiny_pipe):
     """Relying on the encoder's default positions would shift the suffix (the transformers 5.x bug)."""
     from krea2_diffusers.conditioning.text import base_text_model, text_position_ids

@@ -24,13 +24,15 @@ KL_WEIGHT = 1e-4
 @dataclass
 class AutoencoderResult:
     """``folder``: the saved VAE (``AutoencoderKLQwenImage.from_pretrained`` loads it); ``mse``: held-out
-    reconstruction mean squared error on [0, 1] pixels; ``psnr`` in dB."""
+    reconstruction mean squared error on [0, 1] pixels; ``psnr`` in dB; ``reconstructions``: the held-out
+    images through it, uint8 (N, H, W, 3) (what the proving ground judges, not computed twice)."""
 
     folder: Path
     steps: int
     seconds: float
     mse: float
     psnr: float
+    reconstructions: np.ndarray
 
 
 def to_pixels(images: np.ndarray) -> torch.Tensor:
@@ -132,7 +134,8 @@ def train_autoencoder(train: np.ndarray, heldout: np.ndarray, folder: Path, step
     mse = float(((recon.astype(np.float64) - heldout) ** 2).mean() / 255**2)
     with atomic_write_dir(folder) as tmp:
         vae.save_pretrained(tmp)
-    return AutoencoderResult(folder, steps, time.perf_counter() - start, mse, float(10 * np.log10(1 / max(mse, 1e-12))))
+    return AutoencoderResult(folder, steps, time.perf_counter() - start, mse, float(10 * np.log10(1 / max(mse, 1e-12))),
+                             recon)
 
 
 def load_autoencoder(folder: Path, device: str = "cpu"):
