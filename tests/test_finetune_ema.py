@@ -1,6 +1,6 @@
 """The EMA's warm-up (``training.ema.warmup``, issue 38) through the user's commands: ``krea2 train
 CONFIG`` on the tiny-random model, then ``krea2 export CHECKPOINT OUT --weights ema|raw`` of its
-step-200 and step-500 checkpoints, each file loaded into a fresh pipeline.
+step-200 and step-300 checkpoints, each file loaded into a fresh pipeline.
 
 The effect of a LoRA is how far it moves the pipeline's latents from the base's (same prompts and
 noise); the EMA's file must carry at least 0.8 of the trained weights' effect. Without the warm-up
@@ -84,11 +84,11 @@ def ratios(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # module-scoped: set up before the function-scoped one_thread fixture
     try:
-        runs = {True: train_run(root, "warmup", 500, {}),
+        runs = {True: train_run(root, "warmup", 300, {}),
                 False: train_run(root, "no-warmup", 200, {"warmup": False})}
         effect = Effect()
         found = {(warmup, step): effect(exported(run, step, "ema")) / effect(exported(run, step, "raw"))
-                 for warmup, run in runs.items() for step in (200, 500) if (run / "checkpoints" / f"step-{step}").exists()}
+                 for warmup, run in runs.items() for step in (200, 300) if (run / "checkpoints" / f"step-{step}").exists()}
     finally:
         torch.set_num_threads(threads)
     print("EMA effect / trained effect:", found)
@@ -97,7 +97,7 @@ def ratios(tmp_path_factory):
 
 def test_the_default_warm_up_exports_most_of_what_trained_and_without_it_a_fraction(ratios):
     found, _ = ratios
-    assert found[True, 200] >= 0.8 and found[True, 500] >= 0.8, found
+    assert found[True, 200] >= 0.8 and found[True, 300] >= 0.8, found
     assert found[False, 200] < 0.2, found
 
 
@@ -105,7 +105,7 @@ def test_metrics_rows_carry_the_decay_of_diffusers_schedule(ratios):
     _, runs = ratios
     rows = read_metrics(runs[True])
     # diffusers' EMAModel: min(decay, (1 + n) / (10 + n)) at the update after n earlier ones.
-    expected = [min(0.999, (1 + n) / (10 + n)) for n in range(500)]
+    expected = [min(0.999, (1 + n) / (10 + n)) for n in range(300)]
     assert [row["ema_decay"] for row in rows] == pytest.approx(expected, rel=1e-12)
     assert {row["ema_decay"] for row in read_metrics(runs[False])} == {0.999}
 
