@@ -200,7 +200,7 @@ def autoencoder(splits, settings: Settings, seeds, out: Path, judge, device: str
     import numpy as np
 
     from proving import digits
-    from proving.autoencoder import load_autoencoder, reconstruct, train_autoencoder
+    from proving.autoencoder import load_autoencoder, reconstruct, reconstruction_error, train_autoencoder
 
     work, vae_dir = out / "work", out / "models" / "vae"
     if not vae_dir.exists():
@@ -217,8 +217,8 @@ def autoencoder(splits, settings: Settings, seeds, out: Path, judge, device: str
         vae_train = json.loads((work / "vae.json").read_text()) if (work / "vae.json").exists() else {}
         recon = reconstruct(load_autoencoder(vae_dir, device), splits.heldout, device=device)
     (work / "vae.json").write_text(json.dumps(vae_train))
-    mse = float(((recon.astype(np.float64) - splits.heldout) ** 2).mean() / 255**2)
-    return vae_dir, {**vae_train, "mse": mse, "psnr": float(10 * np.log10(1 / max(mse, 1e-12))),
+    mse, psnr = reconstruction_error(recon, splits.heldout)
+    return vae_dir, {**vae_train, "mse": mse, "psnr": psnr,
                      "judge_accuracy": judge.accuracy(recon, splits.heldout_labels),
                      "judge_accuracy_originals": judge.heldout_accuracy}
 

@@ -57,6 +57,12 @@ def reconstruct(vae, images: np.ndarray, batch_size: int = 64, device="cpu") -> 
     return np.concatenate(out)
 
 
+def reconstruction_error(recon: np.ndarray, originals: np.ndarray) -> tuple[float, float]:
+    """(mean squared error on [0, 1] pixels, PSNR in dB) of uint8 (N, H, W, 3) reconstructions."""
+    mse = float(((recon.astype(np.float64) - originals) ** 2).mean() / 255**2)
+    return mse, float(10 * np.log10(1 / max(mse, 1e-12)))
+
+
 def _autoencode(vae, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(B, 3, 1, H, W) in [-1, 1] -> reconstruction (same shape), posterior mean and log-variance
     (B, 16, 1, H/8, W/8). The class's own encoder/decoder modules, without ``decode``'s clamp to
@@ -131,11 +137,9 @@ def train_autoencoder(train: np.ndarray, heldout: np.ndarray, folder: Path, step
     vae.register_to_config(latents_mean=means.mean(dim=(0, 2, 3)).tolist(),
                            latents_std=means.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist())
     recon = reconstruct(vae, heldout, device=device)
-    mse = float(((recon.astype(np.float64) - heldout) ** 2).mean() / 255**2)
     with atomic_write_dir(folder) as tmp:
         vae.save_pretrained(tmp)
-    return AutoencoderResult(folder, steps, time.perf_counter() - start, mse, float(10 * np.log10(1 / max(mse, 1e-12))),
-                             recon)
+    return AutoencoderResult(folder, steps, time.perf_counter() - start, *reconstruction_error(recon, heldout), recon)
 
 
 def load_autoencoder(folder: Path, device: str = "cpu"):
