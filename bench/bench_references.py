@@ -52,7 +52,7 @@ def build(proportioned: bool, device: str, dtype: torch.dtype):
         if dtype != torch.float32:
             pipe = pipe.to(dtype=dtype)
     else:
-        pipe = Krea2Pipeline.from_pretrained("tiny-random", torch_dtype=dtype)
+        pipe = Krea2Pipeline.from_pretrained("tiny-random", dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 

@@ -143,3 +143,12 @@ def training_precision(mixed_precision: str, device: str | torch.device, where: 
             return ComputeDtype(torch.float32, f"{where}: auto, {chosen.reason}; float16 training needs loss scaling")
         return ComputeDtype(chosen.dtype, f"{where}: auto, {chosen.reason}")
     return ComputeDtype(torch.bfloat16 if mixed_precision == "bf16" else torch.float32, f"{where}: {mixed_precision}")
+
+
+def resolve_dtype(dtype, torch_dtype):
+    """The dtype a loader was asked for: diffusers (0.42) calls it ``dtype`` and deprecates its older
+    ``torch_dtype``; both are taken here (a user's ``torch_dtype`` reaches diffusers as ``dtype``, so
+    it raises no deprecation warning from inside our loader), but not together."""
+    if dtype is not None and torch_dtype is not None:
+        raise ValueError(f"pass dtype or torch_dtype, not both (got dtype={dtype}, torch_dtype={torch_dtype})")
+    return dtype if dtype is not None else torch_dtype

@@ -93,6 +93,26 @@ def test_from_pretrained_diffusers_folder_uses_our_class(tmp_path, oracle_pipe, 
     assert torch.allclose(pipe("a cat", **kwargs).images, tiny_pipe("a cat", **kwargs).images, atol=1e-6)
 
 
+def test_from_pretrained_takes_dtype_and_its_older_name_without_deprecation_warnings(tmp_path, tiny_pipe):
+    """diffusers 0.42 renamed ``torch_dtype`` to ``dtype`` and warns on the old name: ours takes both and
+    hands diffusers ``dtype``, so neither spelling warns from inside our loader; both at once is an error."""
+    import warnings
+
+    tiny_pipe.save_pretrained(tmp_path / "pipe")
+    for name in ("dtype", "torch_dtype"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pipe = Krea2Pipeline.from_pretrained(tmp_path / "pipe", **{name: torch.bfloat16})
+        assert pipe.transformer.img_in.weight.dtype == torch.bfloat16, name
+        assert not [w for w in caught if "torch_dtype" in str(w.message)], (name, [str(w.message) for w in caught])
+    with pytest.raises(ValueError, match="dtype or torch_dtype, not both"):
+        Krea2Pipeline.from_pretrained(tmp_path / "pipe", dtype=torch.bfloat16, torch_dtype=torch.float32)
+    # The transformer's single-file loader takes the same two names.
+    save_safetensors(convert_diffusers_to_original(tiny_pipe.transformer.state_dict()), tmp_path / "krea2.safetensors")
+    single = Krea2Transformer2DModel.from_single_file(tmp_path / "krea2.safetensors", dtype=torch.bfloat16)
+    assert single.img_in.weight.dtype == torch.bfloat16
+
+
 def test_from_single_file_with_local_encoder_and_vae(tmp_path, tiny_pipe):
     tiny_pipe.text_encoder.save_pretrained(tmp_path / "te")
     tiny_pipe.tokenizer.save_pretrained(tmp_path / "te")

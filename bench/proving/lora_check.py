@@ -25,33 +25,42 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent))
 
 
-def measure(run: Path, lora: Path, seed: int, stage: str) -> dict:
-    """{"stages": {base, stage, stage_off, stage_off_nocfg: {"accuracy", "concept"}}, "gate": [claim, met]}."""
+def judged_rows(run: Path, lora: Path | None, stage: str, sample_seed: int) -> dict:
+    """The stage's rows for ``lora`` on the run's base, sampled from block ``sample_seed`` exactly as the
+    LoRA stage samples: ``{stage, stage_off, stage_off_nocfg: {"accuracy", "concept"}}``; ``lora=None``:
+    ``{"base": ...}`` (the base with CFG)."""
     import numpy as np
 
     import proving_ground as pg
     from proving import digits
-    from proving.gates import checks
     from proving.lora import TRIGGER
     from proving.reader import load_reader
     from proving.sampling import generate, load_pipeline
-    from proving.seeds import Seeds
 
-    settings, eval_seed = pg.FULL, Seeds(seed).eval
+    settings = pg.FULL
     reader = load_reader(run / "work" / "judge_reader.safetensors")
 
     def row(pipe, guidance: float, trigger: str | None) -> dict:
-        images, labels = generate(None, range(10), settings.per_digit, guidance, settings.sampling_steps, seed=eval_seed,
+        images, labels = generate(None, range(10), settings.per_digit, guidance, settings.sampling_steps, seed=sample_seed,
                                   trigger=trigger, resolution=pg.RESOLUTION, pipe=pipe)
         return {"accuracy": float(np.mean(reader.predict(images) == labels)),
                 "concept": float(digits.shows_red_ink(images).mean())}
 
     G = settings.guidance
-    rows = {"base": row(load_pipeline(run / "models" / "base"), G, None)}
+    if lora is None:
+        return {"base": row(load_pipeline(run / "models" / "base"), G, None)}
     pipe = load_pipeline(run / "models" / "base", lora=lora)
-    rows[stage] = row(pipe, G, TRIGGER)
-    rows[f"{stage}_off"] = row(pipe, G, None)
-    rows[f"{stage}_off_nocfg"] = row(pipe, 0.0, None)
+    return {stage: row(pipe, G, TRIGGER), f"{stage}_off": row(pipe, G, None), f"{stage}_off_nocfg": row(pipe, 0.0, None)}
+
+
+def measure(run: Path, lora: Path, seed: int, stage: str) -> dict:
+    """{"stages": {base, stage, stage_off, stage_off_nocfg: {"accuracy", "concept"}}, "gate": [claim, met]}
+    at the run's evaluation seeds."""
+    from proving.gates import checks
+    from proving.seeds import Seeds
+
+    eval_seed = Seeds(seed).eval
+    rows = {**judged_rows(run, None, stage, eval_seed), **judged_rows(run, lora, stage, eval_seed)}
     gate = next(c for c in checks(rows, {}) if c[0].startswith(f"{stage}:"))
     return {"run": str(run), "lora": str(lora), "seed": seed, "eval_seed": eval_seed, "stages": rows, "gate": list(gate)}
 

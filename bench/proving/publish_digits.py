@@ -135,7 +135,7 @@ def conversion_check(base: Path, out: Path, seed: int) -> dict:
     from proving.seeds import Seeds
 
     shared = digits_components(torch.float32)
-    pipes = [Krea2Pipeline.from_pretrained(str(folder), torch_dtype=torch.float32, **shared) for folder in (base, out)]
+    pipes = [Krea2Pipeline.from_pretrained(str(folder), dtype=torch.float32, **shared) for folder in (base, out)]
     scans = load_splits(DIGITS.resolution, Seeds(seed).split).heldout[:CHECK_SCANS]
     x = torch.from_numpy(scans).permute(0, 3, 1, 2).float()[:, :, None] / 127.5 - 1  # (N, 3, 1, H, W) in [-1, 1]
     prompts = [caption(d) for d in range(10)]

@@ -21,7 +21,7 @@ def load_pipeline(model_dir: Path, device: str = "cpu", lora: Path | None = None
     from krea2_diffusers.precision import compute_dtype
 
     # The folder's tokenizer is parsed once per process (Krea2Pipeline.from_pretrained; every stage's is the same).
-    pipe = Krea2Pipeline.from_pretrained(str(model_dir), torch_dtype=compute_dtype(device)).to(device)
+    pipe = Krea2Pipeline.from_pretrained(str(model_dir), dtype=compute_dtype(device)).to(device)
     pipe.set_progress_bar_config(disable=True)
     if lora is not None:
         pipe.load_lora_weights(str(lora))

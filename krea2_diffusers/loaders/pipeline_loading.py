@@ -18,6 +18,7 @@ from ..conditioning.tokenizer import folder_tokenizer
 from ..models.digits import digits_components, digits_folder, is_digits
 from ..models.tiny import TINY_LABEL, is_tiny, tiny_components
 from ..models.transformer import Krea2Transformer2DModel
+from ..precision import resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +57,19 @@ class Krea2PipelineLoadingMixin:
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
         """A diffusers-format folder or hub id (our transformer class is used), ``"tiny-random"``, or
-        ``"krea2-digits"`` (the packaged trained model, float32 unless ``torch_dtype``)."""
+        ``"krea2-digits"`` (the packaged trained model, float32 unless ``dtype``). ``dtype`` is diffusers'
+        name since 0.42; its older ``torch_dtype`` is still taken (not both)."""
         is_distilled = kwargs.pop("is_distilled", None)
+        dtype = resolve_dtype(kwargs.pop("dtype", None), kwargs.pop("torch_dtype", None))
+        if dtype is not None:
+            kwargs["dtype"] = dtype
         if is_digits(pretrained_model_name_or_path):
             # The folder ships no text encoder or tokenizer: rebuilt offline (models.digits), unless passed.
-            kwargs["torch_dtype"] = kwargs.get("torch_dtype") or torch.float32
-            kwargs.update(digits_components(kwargs["torch_dtype"], kwargs.get("text_encoder"), kwargs.get("tokenizer")))
+            kwargs["dtype"] = kwargs.get("dtype") or torch.float32
+            kwargs.update(digits_components(kwargs["dtype"], kwargs.get("text_encoder"), kwargs.get("tokenizer")))
             pretrained_model_name_or_path = digits_folder()
         if is_tiny(pretrained_model_name_or_path):
-            dtype = kwargs.pop("torch_dtype", None) or torch.float32
+            dtype = kwargs.pop("dtype", None) or torch.float32
             components = tiny_components(seed=kwargs.pop("seed", 0), torch_dtype=dtype)
             # Components passed in replace the tiny ones, as diffusers' from_pretrained does.
             components.update({k: kwargs[k] for k in components if kwargs.get(k) is not None})
@@ -77,7 +82,7 @@ class Krea2PipelineLoadingMixin:
             # Parsed once per process for each content (every folder this project writes holds the same one).
             kwargs["tokenizer"] = folder_tokenizer(local_tokenizer)
         if "transformer" not in kwargs:
-            sub = {k: kwargs[k] for k in ("torch_dtype", "cache_dir", "local_files_only", "revision", "token") if k in kwargs}
+            sub = {k: kwargs[k] for k in ("dtype", "cache_dir", "local_files_only", "revision", "token") if k in kwargs}
             kwargs["transformer"] = Krea2Transformer2DModel.from_pretrained(pretrained_model_name_or_path, subfolder="transformer", **sub)
         pipe = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
         if is_distilled is None:
@@ -94,7 +99,7 @@ class Krea2PipelineLoadingMixin:
     @classmethod
     def from_single_file(cls, path, text_encoder="Qwen/Qwen3-VL-4B-Instruct", vae="Qwen/Qwen-Image", tokenizer=None,
                          torch_dtype=None, is_distilled: bool | None = None, text_encoder_config=None,
-                         upcast_fp8: bool = False, **load_kwargs):
+                         upcast_fp8: bool = False, dtype=None, **load_kwargs):
         """Assemble a pipeline from a RAW or Turbo transformer file (safetensors, ComfyUI scaled fp8 or
         GGUF) plus the Qwen3-VL-4B-Instruct text encoder and the Qwen-Image VAE.
 
@@ -103,10 +108,11 @@ class Krea2PipelineLoadingMixin:
         bf16 or scaled fp8; ``qwen_image_vae.safetensors`` in Wan 2.1 or diffusers layout).
         ``text_encoder_config`` (folder, JSON file or ``Qwen3VLConfig``) is for single-file text
         encoders other than the 4B. fp8 files stay fp8 with their scales (bf16 compute) unless
-        ``upcast_fp8``. ``is_distilled`` defaults to whether the file name says Turbo/TDM.
+        ``upcast_fp8``. ``is_distilled`` defaults to whether the file name says Turbo/TDM. ``dtype`` or
+        (its older name) ``torch_dtype``: the components' dtype.
         """
         from .assembly import assemble_from_single_file
 
         return assemble_from_single_file(cls, path, text_encoder=text_encoder, vae=vae, tokenizer=tokenizer,
-                                         torch_dtype=torch_dtype, is_distilled=is_distilled,
+                                         torch_dtype=resolve_dtype(dtype, torch_dtype), is_distilled=is_distilled,
                                          text_encoder_config=text_encoder_config, upcast_fp8=upcast_fp8, **load_kwargs)

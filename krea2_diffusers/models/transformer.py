@@ -26,6 +26,7 @@ from diffusers.models.modeling_utils import ModelMixin
 
 from ..caching.registrations import check_cache_config, register_block
 from ..loaders.adapters import per_call_lora_scale
+from ..precision import resolve_dtype
 from ..presets import check_reference_options
 from .layers import Attention, PlainBlock, RMSNorm, SwiGLU, TimestepEmbedding, rope_tables
 
@@ -257,7 +258,8 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMi
 
     @classmethod
     def from_single_file(cls, path, torch_dtype: torch.dtype | None = None, config: dict | None = None,
-                         upcast_fp8: bool = False, quantization: str | None = None, device=None):
+                         upcast_fp8: bool = False, quantization: str | None = None, device=None,
+                         dtype: torch.dtype | None = None):
         """Load from an original-layout single file (``model.diffusion_model.`` prefix allowed, or
         sharded with an index), a diffusers-layout file (with ``config``) or a GGUF file.
 
@@ -271,7 +273,9 @@ class Krea2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMi
         block is read and quantized (on ``device``, default CPU) before the next is read, so the
         full-precision model never exists whole (see :mod:`krea2_diffusers.loaders.quantized`).
         ``torch_dtype`` is then the kept layers' dtype and the compute dtype (default bfloat16).
+        ``dtype`` is diffusers' (0.42) name for ``torch_dtype``; either, not both.
         """
+        torch_dtype = resolve_dtype(dtype, torch_dtype)
         if quantization is not None:
             from ..loaders.quantized import load_quantized_transformer
 
