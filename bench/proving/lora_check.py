@@ -78,18 +78,28 @@ def main(argv=None) -> int:
 
     choose_cpu_threads(width=pg.WIDTH)
     run, lora = Path(args.run).resolve(), Path(args.lora).resolve()
-    for needed in (run / "models" / "base", run / "work" / "judge_reader.safetensors", lora):
-        if not needed.exists():
-            raise SystemExit(f"{needed}: not found (--run must be a finished proving-ground run, --lora a LoRA file)")
+    check_inputs(run, lora, "--lora a LoRA file")
     result = measure(run, lora, args.seed, args.stage)
     print(json.dumps(result["stages"]))
     print(("met: " if result["gate"][1] else "NOT met: ") + result["gate"][0])
-    if args.json:
+    write_result(args.json, result)
+    return 0
+
+
+def check_inputs(run: Path, other: Path, what: str) -> None:
+    """Fail before any sampling when ``run`` is not a finished proving-ground run or ``other`` is missing."""
+    for needed in (run / "models" / "base", run / "work" / "judge_reader.safetensors", other):
+        if not needed.exists():
+            raise SystemExit(f"{needed}: not found (--run must be a finished proving-ground run, {what})")
+
+
+def write_result(path: str | None, result: dict) -> None:
+    """``result`` as indented JSON at ``path`` (atomically), when a path was given."""
+    if path:
         from krea2_diffusers.files import atomic_write
 
-        with atomic_write(Path(args.json), "w") as handle:
+        with atomic_write(Path(path), "w") as handle:
             handle.write(json.dumps(result, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

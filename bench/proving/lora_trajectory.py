@@ -72,20 +72,15 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="also write the result here")
     args = parser.parse_args(argv)
     import proving_ground as pg
+    from lora_check import check_inputs, write_result
+
     from krea2_diffusers.cpu_threads import choose_cpu_threads
 
     choose_cpu_threads(width=pg.WIDTH)
     run = Path(args.run).resolve()
     checkpoints = Path(args.checkpoints).resolve() if args.checkpoints else run / "work" / args.stage / "run" / "checkpoints"
-    for needed in (run / "models" / "base", run / "work" / "judge_reader.safetensors", checkpoints):
-        if not needed.exists():
-            raise SystemExit(f"{needed}: not found (--run must be a finished proving-ground run; --checkpoints a run's checkpoints)")
-    result = trajectory(run, args.seed, args.stage, checkpoints, args.every)
-    if args.json:
-        from krea2_diffusers.files import atomic_write
-
-        with atomic_write(Path(args.json), "w") as handle:
-            handle.write(json.dumps(result, indent=1))
+    check_inputs(run, checkpoints, "--checkpoints a run's checkpoint folder")
+    write_result(args.json, trajectory(run, args.seed, args.stage, checkpoints, args.every))
     return 0
 
 
