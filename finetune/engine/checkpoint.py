@@ -71,6 +71,19 @@ def clean_staging(folder: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def load_in_this_process(state: dict, path: Path) -> None:
+    """``dcp.load`` of ``state`` (filled in place) from checkpoint ``path`` by this process alone, whatever
+    world size wrote it and whether or not a process group exists (exports, PMA averaging)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        # torch warns "assuming the intent is to load in a single process" even with no_dist=True: it is.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+
+
 def read_train_state(path: Path) -> dict[str, Any]:
     return json.loads((Path(path) / STATE_FILE).read_text())
 

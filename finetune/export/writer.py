@@ -19,7 +19,7 @@ from krea2_diffusers.loaders.convert import diffusers_module_to_original
 from krea2_diffusers.files import atomic_write, write_safetensors_streaming
 from krea2_diffusers.loaders.lora import ADAPTER_PREFIXES, lora_layers_from_diffusers_state_dict, lora_metadata, save_lora_file
 
-from ..engine.checkpoint import read_train_state
+from ..engine.checkpoint import load_in_this_process, read_train_state
 
 logger = logging.getLogger("finetune")
 
@@ -53,10 +53,8 @@ def model_tensors(path: Path, prefix: str = "", section: str = "model") -> dict[
 def read_model_tensors(path: Path, names: list[str], shapes: dict, prefix: str = "", section: str = "model") -> dict[str, torch.Tensor]:
     """Read whole tensors ``names`` (under ``prefix``, in ``section``: see :func:`model_tensors`)
     from a DCP checkpoint in this process alone (any writer world size)."""
-    import torch.distributed.checkpoint as dcp
-
     state = {section: {prefix + n: torch.empty(shapes[n][1], dtype=shapes[n][0]) for n in names}}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    load_in_this_process(state, path)
     return {n[len(prefix):]: v for n, v in state[section].items()}
 
 

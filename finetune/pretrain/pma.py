@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import warnings
 from pathlib import Path
 
 import torch
 
 from krea2_diffusers.files import save_safetensors
 
+from ..engine.checkpoint import load_in_this_process
 from .architecture import AUXILIARY_MODULES
 
 logger = logging.getLogger("finetune")
@@ -44,12 +44,8 @@ def checkpoint_model_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 def load_model_tensors(path: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
     """float32 CPU copies of the named model tensors of one DCP checkpoint (no process group needed)."""
-    import torch.distributed.checkpoint as dcp
-
     tensors = {name: torch.empty(shape, dtype=torch.float32) for name, shape in shapes.items()}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load({MODEL_KEY: tensors}, checkpoint_id=str(path), no_dist=True)
+    load_in_this_process({MODEL_KEY: tensors}, path)
     return tensors
 
 
