@@ -61,7 +61,7 @@ def test_regularisation_is_drawn_by_weight_not_by_size(tmp_path, monkeypatch, ca
     assert 72 <= dry_run("repeated", {"weight": 3, "repeats": 4})[subject] <= 78
 
 
-def test_a_yaml_with_relative_paths_trains_from_another_directory(tmp_path, monkeypatch, capsys):
+def test_a_yaml_with_relative_paths_trains_from_another_directory(tmp_path, monkeypatch, capsys, recwarn):
     from krea2_diffusers.models.tiny import save_random_original_file, tiny_transformer_config
 
     project = tmp_path / "project"
@@ -81,6 +81,8 @@ def test_a_yaml_with_relative_paths_trains_from_another_directory(tmp_path, monk
     monkeypatch.chdir(elsewhere)
 
     assert main(["train", "../project/train.yaml"]) == 0
+    # A one-process run's checkpoints do not repeat torch's "assuming the intent is to save in a single process".
+    assert not [str(w.message) for w in recwarn if "single process" in str(w.message)]
     out, err = capsys.readouterr()
     assert NOTE in err and f"model.pretrained_model_name_or_path: {project / 'models' / 'raw.safetensors'}" in err
     assert out.strip().splitlines()[-1] == str(project / "run" / "lora_diffusers.safetensors")
@@ -95,3 +97,8 @@ def test_a_yaml_with_relative_paths_trains_from_another_directory(tmp_path, monk
     loaded = load_config(project / "hub.yaml", ["output_dir=mine"])
     assert (loaded.model.pretrained_model_name_or_path, loaded.data.path, loaded.output_dir) == (
         "krea/Krea-2-Raw", str(project / "images"), "mine")
+    # The note names what the file's paths became, not a key the command line replaced (--output-dir).
+    capsys.readouterr()
+    load_config(project / "train.yaml", ["output_dir=mine"])
+    err = capsys.readouterr().err
+    assert f"data.path: {project / 'images'}" in err and "output_dir:" not in err

@@ -24,6 +24,7 @@ import json
 import logging
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -71,16 +72,22 @@ def clean_staging(folder: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def single_process_intended():
+    """DCP calls made in here that find no process group do not warn. torch says it is "assuming the
+    intent is to save / load in a single process" at every such call, even with ``no_dist=True``; in a
+    one-process run or an export it is the intent, and the line came back at every checkpoint."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def load_in_this_process(state: dict, path: Path) -> None:
     """``dcp.load`` of ``state`` (filled in place) from checkpoint ``path`` by this process alone, whatever
     world size wrote it and whether or not a process group exists (exports, PMA averaging)."""
-    import warnings
-
     import torch.distributed.checkpoint as dcp
 
-    with warnings.catch_warnings():
-        # torch warns "assuming the intent is to load in a single process" even with no_dist=True: it is.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    with single_process_intended():
         dcp.load(state, checkpoint_id=str(path), no_dist=True)
 
 
@@ -161,10 +168,12 @@ class Checkpointer:
         rng = {f"rank{runtime.rank}": rng_state(runtime.device)}
         payload = {"model": model_state, "optimizer": optim_state, "rng": rng, **(extra or {})}
         if self.async_save:
-            future = dcp.async_save(payload, checkpoint_id=str(staging), process_group=self._group)
+            with single_process_intended():
+                future = dcp.async_save(payload, checkpoint_id=str(staging), process_group=self._group)
             self._pending = (future, stack, step)
             return
-        dcp.save(payload, checkpoint_id=str(staging), process_group=self._group)
+        with single_process_intended():
+            dcp.save(payload, checkpoint_id=str(staging), process_group=self._group)
         self._publish(stack, step)
 
     def wait(self) -> None:
@@ -220,7 +229,8 @@ class Checkpointer:
         if has_rng:
             payload["rng"] = {f"rank{self.runtime.rank}": rng_state(self.runtime.device)}
         planner = DefaultLoadPlanner()
-        dcp.load(payload, checkpoint_id=str(path), process_group=self._group, planner=planner)
+        with single_process_intended():
+            dcp.load(payload, checkpoint_id=str(path), process_group=self._group, planner=planner)
         # DCP reads only what the run asks for: model tensors the checkpoint holds beyond that (an
         # older distillation's fake score at distribution_weight 0) are skipped, said once here.
         skipped = sorted(k for k in planner.metadata.state_dict_metadata if k.startswith("model.") and k not in planner.state_dict)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..engine.checkpoint import single_process_intended
 from ..engine.runtime import Runtime
 
 
@@ -44,5 +45,6 @@ def model_only_load(path: Path, model: nn.Module) -> None:
 
     options = StateDictOptions(full_state_dict=False)
     state = get_model_state_dict(model, options=options)
-    dcp.load({"model": state}, checkpoint_id=str(path))
+    with single_process_intended():
+        dcp.load({"model": state}, checkpoint_id=str(path))
     set_model_state_dict(model, state, options=options)
