@@ -151,8 +151,8 @@ class GRPOTrainer(PosttrainTrainer):
                                                  f"{sorted(set(prompts))}; the last checkpoint is kept in {self.checkpointer.folder}")
                     loss.backward()
                 scale = len(rollout.times) * section.updates_per_rollout
-                stats["policy_loss"] += float(policy.mean()) / scale
-                stats["kl"] += float(kl.mean()) / scale
+                stats["policy_loss"] += float(policy.detach().mean()) / scale
+                stats["kl"] += float(kl.detach().mean()) / scale
                 stats["clip_fraction"] += float(clipped.float().mean()) / scale
             grad_norm = self.optimizer_step()
         self.lr_scheduler.step()
