@@ -42,6 +42,15 @@ logger = logging.getLogger("finetune")
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "train_state.json"
 FORMAT_VERSION = 2
+NO_GROUP_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+"""The start of torch's "..., assuming the intent is to save / load in a single process", which it gives
+at every DCP call that finds no process group, even with ``no_dist=True``. In this engine such a call is
+always a one-process run or an export, so the intent is what torch assumes, and the line came back at
+every checkpoint. Ignored for the whole process from here (async saves and PMA's averaging call DCP
+from background threads, where a ``catch_warnings`` block is not thread-safe: one thread's exit drops
+another's filter), and again around each call by :func:`single_process_intended`, for code that records
+every warning (a test's ``simplefilter("always")`` takes precedence over the process-wide filter)."""
+warnings.filterwarnings("ignore", message=NO_GROUP_WARNING)
 
 
 class CheckpointMismatchError(ValueError):
@@ -74,11 +83,9 @@ def clean_staging(folder: Path) -> None:
 
 @contextlib.contextmanager
 def single_process_intended():
-    """DCP calls made in here that find no process group do not warn. torch says it is "assuming the
-    intent is to save / load in a single process" at every such call, even with ``no_dist=True``; in a
-    one-process run or an export it is the intent, and the line came back at every checkpoint."""
+    """DCP calls made in here that find no process group do not warn (see :data:`NO_GROUP_WARNING`)."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings("ignore", message=NO_GROUP_WARNING)
         yield
 
 
