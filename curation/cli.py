@@ -123,6 +123,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             if failed:
                 print(f"krea2 curate run: {failed} worker(s) exited with an error", file=sys.stderr)
                 return 1
+            _print_status(warehouse.status())  # what the pool left, as `krea2 curate status` prints it
         elif command == "status":
             status = warehouse.status()
             if args.json:

@@ -45,7 +45,12 @@ def run_workers(warehouse: Warehouse, command: list[str], workers: int, jobs: li
     between, the pool stops replacing (and the deaths count as failures)."""
     from tqdm import tqdm
 
-    processes = [subprocess.Popen(command) for _ in range(workers)]
+    def start() -> subprocess.Popen:
+        # A worker's stdout is its own count of the rows it handled ({} for one that found none): the
+        # bars below show the whole pool's, so it would only add lines among them. Its stderr stays.
+        return subprocess.Popen(command, stdout=subprocess.DEVNULL)
+
+    processes = [start() for _ in range(workers)]
     killed = 0
     stalled, last_settled = 0, None
     bars = {job: tqdm(desc=f"{job:>8}", unit="img", disable=not progress, position=i, leave=True)
@@ -66,7 +71,7 @@ def run_workers(warehouse: Warehouse, command: list[str], workers: int, jobs: li
                     continue
                 print(f"krea2 curate run: worker {process.pid} killed by signal {-code}; starting another",
                       file=sys.stderr)
-                processes[index] = subprocess.Popen(command)
+                processes[index] = start()
             processes_alive = [p for p in processes if p is not None]
             running = any(p.poll() is None for p in processes_alive)
             for job, bar in bars.items():

@@ -383,8 +383,9 @@ def test_run_workers_then_captions_embeddings_clusters(server, tmp_path, capsys)
     store = tmp_path / "store"
     assert krea2(["curate", "init", "--dsn", dsn]) == 0
     assert krea2(["curate", "ingest", str(corpus), "--dsn", dsn]) == 0
-    code, _, err = _cli(capsys, "run", "--dsn", dsn, "--workers", 2, "--batch", 2, "--config", config, "--no-progress")
+    code, out, err = _cli(capsys, "run", "--dsn", dsn, "--workers", 2, "--batch", 2, "--config", config, "--no-progress")
     assert code == 0, err
+    assert out.startswith(f"images {len(expected)}: kept "), out  # the pool's result, as `curate status` prints it
     kept = query(dsn, "SELECT id, uri, width::bigint * height AS area FROM images WHERE status = 'kept' ORDER BY id")
     assert sorted(Path(r["uri"]).name for r in kept) == sorted(n for n, f in expected.items() if f == "kept")
 
