@@ -11,7 +11,8 @@ negatives. On the bench's proportioned components (bench_pipeline.build: the 36-
 - ``diffusers``: ``diffusers.Krea2Pipeline.encode_prompt`` on the same list (every row encoded, padded
   to its 512 tokens).
 
-Prints each one's best time over ``--repeats`` (diffusers': one run), the ratios, and whether our rows equal the single
+Prints each one's best wall time over ``--repeats`` rounds taken in turns (``bench_dequant.best_of``;
+diffusers': one run), the ratios, and whether our rows equal the single
 prompt's encoding bit for bit.
 
     python bench/bench_prompt_encoding.py [--copies 256] [--repeats 3] [--json OUT]
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,15 +30,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PROMPT = "a handwritten digit seven, black ink on white paper"
-
-
-def best_seconds(call, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main(argv=None) -> int:
@@ -50,6 +41,7 @@ def main(argv=None) -> int:
     if args.copies < 2:
         raise SystemExit(f"--copies must be at least 2, got {args.copies}")
 
+    from bench_dequant import best_of
     from bench_pipeline import build
 
     from krea2_diffusers.conditioning.text import encode_prompts
@@ -65,12 +57,11 @@ def main(argv=None) -> int:
         single, single_mask = encode_prompts(encoder, tokenizer, [PROMPT])
         embeds, mask = encode_prompts(encoder, tokenizer, repeated)
         identical = bool(torch.equal(embeds, single.expand_as(embeds)) and torch.equal(mask, single_mask.expand_as(mask)))
-        seconds = {
-            "ours": best_seconds(lambda: encode_prompts(encoder, tokenizer, repeated), args.repeats),
-            "ours_distinct": best_seconds(lambda: encode_prompts(encoder, tokenizer, distinct), args.repeats),
-            # Once: 256 rows of 512 tokens take minutes, and the gap is far beyond the noise.
-            "diffusers": best_seconds(lambda: theirs.encode_prompt(repeated, device=torch.device("cpu")), 1),
-        }
+        best, _ = best_of({"ours": lambda: encode_prompts(encoder, tokenizer, repeated),
+                           "ours_distinct": lambda: encode_prompts(encoder, tokenizer, distinct)}, args.repeats)
+        # Once: 256 rows of 512 tokens take minutes, and the gap is far beyond the noise.
+        best.update(best_of({"diffusers": lambda: theirs.encode_prompt(repeated, device=torch.device("cpu"))}, 1)[0])
+        seconds = {name: usage.wall for name, usage in best.items()}
     result = {"copies": args.copies, "threads": torch.get_num_threads(), "seconds": seconds,
               "distinct_over_ours": seconds["ours_distinct"] / seconds["ours"],
               "diffusers_over_ours": seconds["diffusers"] / seconds["ours"], "rows_identical": identical}

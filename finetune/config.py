@@ -452,6 +452,6 @@ def load_config(path: str | Path, overrides: list[str] = (), cls: type = TrainCo
         raise ConfigError(f"{path}: the top level must be a mapping")
     base = Path(os.path.abspath(path)).parent
     # Keys an override replaces (``--output-dir`` is one) are not announced: the file's value is not used.
-    replaced = {text.split("=", 1)[0].strip() for text in overrides}
+    replaced = {".".join(parse_override(text)[0]) for text in overrides}
     report([(key, value) for key, value in resolve_config_paths(cls, raw, base) if key not in replaced], base)
     return build_config(raw, overrides, cls)

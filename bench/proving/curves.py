@@ -17,14 +17,16 @@ from .pretraining import checkpoint_steps
 LORA_FILE = "lora_diffusers.safetensors"
 
 
-def export_lora(run_dir: Path, step: int, out_dir: Path, log: Path | None = None) -> Path:
-    """``krea2 export`` of checkpoint ``step`` (diffusers LoRA) into ``out_dir`` (reused when there); the file."""
+def export_lora(run_dir: Path, step: int, out_dir: Path, log: Path | None = None, weights: str | None = None) -> Path:
+    """``krea2 export`` of checkpoint ``step`` (diffusers LoRA) into ``out_dir`` (reused when there); the file.
+    ``weights``: ``raw`` or ``ema`` (``krea2 export --weights``); None: what the run exports."""
     from .pretraining import krea2
 
     out_dir = Path(out_dir)
     if not (out_dir / LORA_FILE).is_file():
         shutil.rmtree(out_dir, ignore_errors=True)
-        krea2("export", str(Path(run_dir) / "checkpoints" / f"step-{step}"), str(out_dir), "--format", "diffusers", log=log)
+        krea2("export", str(Path(run_dir) / "checkpoints" / f"step-{step}"), str(out_dir), "--format", "diffusers",
+              *(["--weights", weights] if weights else []), log=log)
     return out_dir / LORA_FILE
 
 

@@ -8,7 +8,7 @@ Which of a run's last checkpoints passes, and is the final one typical or lucky?
 one file at the evaluation seeds; this measures every checkpoint of ``DIR/work/<stage>/run/checkpoints``
 (or ``--checkpoints``, e.g. a longer rerun of the same config; ``--every N``: the multiples of N) at :attr:`proving.seeds.Seeds.select`,
 a block the report never samples, so looking at these figures chooses nothing from the report's own
-samples. Each checkpoint is exported with ``krea2 export --weights raw|ema`` into
+samples. Each checkpoint is exported with ``krea2 export --weights raw|ema`` (:func:`proving.curves.export_lora`) into
 ``trajectory/<step>_<weights>/`` beside the checkpoint folder (kept: a rerun only samples). Prints one row per
 checkpoint and weights: concept share with the trigger, the leak (concept share without it) with CFG
 and at guidance 0, accuracy with the trigger, and whether the stage's gate holds there.
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,19 +26,11 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent))
 
 
-def export(checkpoint: Path, out: Path, weights: str) -> Path:
-    """``krea2 export --weights`` into ``out`` once; the diffusers LoRA file."""
-    lora = out / "lora_diffusers.safetensors"
-    if not lora.exists():
-        subprocess.run([sys.executable, "-m", "krea2_diffusers.cli", "export", str(checkpoint), str(out), "--weights", weights],
-                       check=True, stdout=subprocess.DEVNULL)
-    return lora
-
-
 def trajectory(run: Path, seed: int, stage: str, checkpoints: Path, every: int | None = None) -> dict:
     """``{"select_seed", "base", "checkpoints": [{"step", "weights", "rows", "gate"}]}``."""
     from lora_check import judged_rows
 
+    from proving.curves import export_lora
     from proving.gates import checks
     from proving.pretraining import checkpoint_steps
     from proving.seeds import Seeds
@@ -47,11 +38,11 @@ def trajectory(run: Path, seed: int, stage: str, checkpoints: Path, every: int |
     select = Seeds(seed).select
     base = judged_rows(run, None, stage, select)
     out = []
-    for step in checkpoint_steps(checkpoints.parent, every):
-        folder = checkpoints / f"step-{step}"
-        state = json.loads((folder / "train_state.json").read_text())
+    run_dir = checkpoints.parent
+    for step in checkpoint_steps(run_dir, every):
+        state = json.loads((checkpoints / f"step-{step}" / "train_state.json").read_text())
         for weights in ("raw", "ema") if state.get("ema") else ("raw",):
-            lora = export(folder, checkpoints.parent / "trajectory" / f"{step}_{weights}", weights)
+            lora = export_lora(run_dir, step, run_dir / "trajectory" / f"{step}_{weights}", weights=weights)
             rows = judged_rows(run, lora, stage, select)
             gate = next(c for c in checks({**base, **rows}, {}) if c[0].startswith(f"{stage}:"))
             out.append({"step": step, "weights": weights, "rows": rows, "gate": bool(gate[1])})
