@@ -125,12 +125,21 @@ class CheckpointConfig:
     keep_last: int = 3
     async_save: bool = False
     """Write checkpoints in the background (DCP async_save) while training continues."""
+    steps: list[int] = field(default_factory=list)
+    """Also save after these steps, besides every ``every_n_steps``: e.g. a denser grid early in a
+    LoRA run, where it changes most (``keep_last`` counts them too)."""
+
+    def due(self, step: int) -> bool:
+        """Whether the schedule saves after optimizer step ``step`` (1-based)."""
+        return (self.every_n_steps > 0 and step % self.every_n_steps == 0) or step in self.steps
 
 
 @dataclass
 class ValidationConfig:
     every_n_steps: int = 0
     """0 disables sampling during training; a final sample set is still made if prompts are given."""
+    steps: list[int] = field(default_factory=list)
+    """Also sample after these steps, besides every ``every_n_steps`` (the report measures each)."""
     prompts: list[str] = field(default_factory=list)
     negative_prompt: str = ""
     num_inference_steps: int = 28
@@ -188,6 +197,14 @@ class LoggingConfig:
     progress_bar: bool = True
     wandb: WandbConfig | None = None
     """Absent: no W&B logging."""
+
+
+def check_step_list(name: str, steps: list[int], max_steps: int, limit: str = "training.max_steps") -> None:
+    """A ``steps`` list of a schedule: optimizer steps in [1, ``max_steps``] (a later one would never run);
+    ``limit`` names where ``max_steps`` comes from in the error."""
+    for step in steps:
+        if not 1 <= step <= max_steps:
+            raise ConfigError(f"{name}: step {step} is outside 1..{limit} ({max_steps})")
 
 
 @dataclass
@@ -355,6 +372,8 @@ class TrainConfig:
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{name} must be positive, got {value}")
+        check_step_list("checkpointing.steps", self.checkpointing.steps, self.training.max_steps)
+        check_step_list("validation.steps", self.validation.steps, self.training.max_steps)
         if self.data.bucket_step % 16 or self.data.bucket_step <= 0:
             raise ConfigError(f"data.bucket_step must be a positive multiple of 16 (VAE 8 x patch 2), got {self.data.bucket_step}")
         if not 0.0 <= self.data.caption_dropout < 1.0:

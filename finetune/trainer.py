@@ -403,7 +403,6 @@ class Trainer:
                                 config.logging.tensorboard, config.logging.progress_bar, config.logging.log_every_n_steps,
                                 wandb=config.logging.wandb, run_config=config.to_dict())
         result = TrainResult(self.out, self.start_step)
-        every = config.checkpointing.every_n_steps
         step = self.start_step
         sampled = None  # the last step sampled (asked for, or due)
         items = self.early_inputs if self.early_inputs is not None else iter(self.step_inputs())
@@ -430,7 +429,7 @@ class Trainer:
                 # A stop signal, and "Sample now" / "Save now" (output_dir/requests/), decided together.
                 asked = between_steps(runtime, stop.requested, self.out, step)
                 stopping = asked.stop and not last
-                saving = stopping or asked.save or (every > 0 and step % every == 0) or last
+                saving = stopping or asked.save or config.checkpointing.due(step) or last
                 sampling = validator.due(step) or (asked.sample and validator.enabled)
                 if runtime.is_main and asked.sample and not validator.enabled:
                     logger.warning("step %d: samples asked for, but the run has no validation.prompts", step)

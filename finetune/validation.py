@@ -34,8 +34,8 @@ class Validator:
         return bool(self.config.validation.prompts)
 
     def due(self, step: int) -> bool:
-        every = self.config.validation.every_n_steps
-        return self.enabled and every > 0 and step % every == 0
+        v = self.config.validation
+        return self.enabled and ((v.every_n_steps > 0 and step % v.every_n_steps == 0) or step in v.steps)
 
     def _sample(self, pipe, steps: int, guidance: float):
         v = self.config.validation

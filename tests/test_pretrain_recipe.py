@@ -87,6 +87,19 @@ def test_init_from_weights_reads_a_diffusers_named_file_and_refuses_other_shapes
         build_transformer(config.model, seed=0)
 
 
+def test_extra_checkpoint_steps_are_checked_against_the_run_and_pma():
+    from finetune.config import ConfigError
+
+    stages = [{"name": "a", "data": "p", "steps": 10}, {"name": "b", "data": "q", "steps": 10}]
+    config = build_pretrain_config({"stages": stages, "checkpointing": {"every_n_steps": 5, "steps": [2, 13]}})
+    assert [s for s in range(1, 21) if config.checkpointing.due(s)] == [2, 5, 10, 13, 15, 20]
+    with pytest.raises(ConfigError, match=r"checkpointing.steps: step 21 is outside 1..the stages' total steps \(20\)"):
+        build_pretrain_config({"stages": stages, "checkpointing": {"steps": [21]}})
+    with pytest.raises(ConfigError, match="checkpointing.steps with pma"):
+        build_pretrain_config({"stages": stages, "checkpointing": {"every_n_steps": 5, "steps": [2]},
+                               "pma": {"every_n_steps": 5, "num_checkpoints": 2}})
+
+
 def test_stage_shift_is_the_exponential_shift_of_logit_normal_times():
     config = build_pretrain_config({"stages": [{"name": "a", "data": "p", "shift": 3.0}, {"name": "b", "data": "q"}]})
     objective = config.timestep_objective(config.stages[0])

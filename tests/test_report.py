@@ -182,7 +182,8 @@ def test_validation_metrics_settings_are_checked():
     raw = run_config(Path("run"), Path("data"))
     for change, message in (({"seeds_per_prompt": 0}, "seeds_per_prompt must be >= 1"),
                             ({"prompts": [], "metrics": True}, "validation.metrics needs validation.prompts"),
-                            ({"leak_promts": ["x"]}, "leak_prompts")):
+                            ({"leak_promts": ["x"]}, "leak_prompts"),
+                            ({"steps": [3 * EVERY + 1]}, r"validation.steps: step 13 is outside 1..training.max_steps \(12\)")):
         bad = json.loads(json.dumps(raw))
         bad["validation"].update(change)
         with pytest.raises(ConfigError, match=message):
@@ -196,11 +197,14 @@ def test_a_transformers_image_model_as_the_encoder_and_metrics_off(tmp_path):
     Dinov2Model(Dinov2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
                              image_size=32, patch_size=8)).save_pretrained(encoder)
     BitImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(encoder)
-    raw = run_config(tmp_path, write_dataset(tmp_path / "data"), encoder=str(encoder), every_n_steps=0)
-    raw["training"]["max_steps"] = 2
+    # No interval: a checkpoint and a validation at the steps listed (a denser grid early in a run), and the last.
+    raw = run_config(tmp_path, write_dataset(tmp_path / "data"), encoder=str(encoder), every_n_steps=0, steps=[1])
+    raw["training"]["max_steps"] = 3
+    raw["checkpointing"] = {"every_n_steps": 0, "keep_last": 10, "steps": [1]}
     assert train(tmp_path, raw) == 0
     report = json.loads((tmp_path / "run" / "report.json").read_text())
-    assert report["encoder"] == str(encoder) and [r["step"] for r in report["checkpoints"]] == [2]
+    assert report["encoder"] == str(encoder) and [r["step"] for r in report["checkpoints"]] == [1, 3]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-1", "step-3"]
 
     off = tmp_path / "off"
     off.mkdir()

@@ -42,6 +42,8 @@ class LoraSpec:
     learns the base's black ink, never the concept (see FULL's comment in ``proving_ground.py``)."""
     checkpoint_every: int | None = None
     """Keep a checkpoint every N steps (None: only the last)."""
+    extra_checkpoints: tuple[int, ...] = ()
+    """Also keep a checkpoint (and, with ``report``, validate) after these steps (``checkpointing.steps``)."""
     report: bool = False
     """Validate at every checkpoint with the checkpoint report's metrics on (``report.json``, issue 41):
     one prompt per digit with the trigger, two seeds each, the ``pixels`` encoder (red ink is colour)."""
@@ -82,12 +84,14 @@ def lora_config(spec: LoraSpec, base_dir: Path, concept: Path, regular: Path, ru
                  "extra_modules": ["img_in", "final_layer.linear"]},
         "optimizer": {"learning_rate": spec.learning_rate},
         "lr_scheduler": {"name": "wsd", "warmup_steps": min(20, spec.steps // 10), "decay_fraction": 0.3},
-        "checkpointing": {"every_n_steps": every, "keep_last": spec.steps // every},
+        "checkpointing": {"every_n_steps": every, "keep_last": spec.steps // every + len(spec.extra_checkpoints),
+                          **({"steps": list(spec.extra_checkpoints)} if spec.extra_checkpoints else {})},
         "export": {"formats": ["diffusers"], "trigger_words": [TRIGGER]},
         "logging": {"progress_bar": False, "tensorboard": False},
     }
     if spec.report:
-        config["validation"] = {"every_n_steps": every, "prompts": [caption(d, TRIGGER) for d in range(10)],
+        config["validation"] = {"every_n_steps": every, **({"steps": list(spec.extra_checkpoints)} if spec.extra_checkpoints else {}),
+                                "prompts": [caption(d, TRIGGER) for d in range(10)],
                                 "num_inference_steps": 16, "guidance_scale": 3.0, "height": resolution,
                                 "width": resolution, "seed": spec.seed, "metrics": True, "seeds_per_prompt": 2,
                                 "encoder": "pixels"}

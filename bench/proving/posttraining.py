@@ -20,9 +20,14 @@ The ``quick`` settings only prove the plumbing in CI. The full settings (:data:`
 tuned stage by stage on the full run's base (pretrained 2500 steps at 32 px + 500 at 64 px;
 guidance-free accuracy 0.850, diversity 24.4, 20 samples per digit, 16 Euler steps):
 
-- DPO: pairs ranked by the reward over the base's guidance-free samples AND as many CFG-3 samples
-  (``chosen_guidance``; rejected: the worst guidance-free ones): 200 steps 0.915, 300 (the
-  settings) 0.955. On the earlier,
+- DPO: pairs ranked by the reward over the base's guidance-free samples AND as many CFG samples
+  (``chosen_guidance``; rejected: the worst guidance-free ones). CFG 3 candidates: 200 steps 0.915,
+  300 0.955 (the settings until issue 39's frontier: they taught CFG 3's bold strokes, FD 44-48 where
+  the frontier allows 29-36). CFG 1 candidates, 600 steps (the settings; chosen at training seed 0 on the
+  tuning sampling block against that block's own CFG sweep): accuracy 0.98 / 0.985 / 0.98 at steps
+  400 / 500 / 600, FD 23.8-25.9 where CFG needs 28-30 for that accuracy; CFG 0.5 candidates reached
+  0.95 at FD 23.5 (600 steps) and swung between 23.5 and 41.6 on the way. That block turned out to be
+  DPO's best of five (the README's spread table: FD 23.8-38.8 for the same weights). On the earlier,
   weaker base (guidance-free 0.570), on-policy pairs alone peaked at 0.615 (200 steps), 800 steps
   0.58, lr 5e-3 0.31, lr 1e-2 / beta 5000 collapsed (0.135).
 - GRPO: the exploring window pinned to the first four (high-noise) steps, ``sde_window_start`` 0,
@@ -69,7 +74,7 @@ class StageResult:
 
 # Per method: (full run, --quick). Keys are krea2 posttrain config values set below.
 SETTINGS = {
-    "dpo": ({"steps": 300, "lr": 2e-3, "beta": 500.0, "rank": 16, "per_digit": 16, "batch": 4, "chosen_guidance": 3.0,
+    "dpo": ({"steps": 600, "lr": 2e-3, "beta": 500.0, "rank": 16, "per_digit": 16, "batch": 4, "chosen_guidance": 1.0,
              "curve_every": 100},
             {"steps": 2, "lr": 2e-3, "beta": 500.0, "rank": 4, "per_digit": 2, "batch": 2, "chosen_guidance": 3.0,
              "curve_every": 1}),

@@ -71,14 +71,14 @@ def resume_flag(config: dict) -> list[str]:
     return ["--resume"] if (Path(config["output_dir"]) / "run.json").exists() else []
 
 
-def checkpoint_steps(run_dir: Path, every: int | None = None) -> list[int]:
+def checkpoint_steps(run_dir: Path, every: int | None = None, extra=()) -> list[int]:
     """The steps of ``run_dir/checkpoints/step-N``, ascending; with ``every``, only the scheduled ones
-    (multiples of ``every``). A checkpoint a stop signal wrote between them (a killed bench's SIGTERM:
+    (multiples of ``every``, and the steps in ``extra``: the run's ``checkpointing.steps``). A checkpoint a stop signal wrote between them (a killed bench's SIGTERM:
     the trainer saves before it exits) is left out, so that a resumed run offers the bench the same
     choice as an uninterrupted one: seed 0's GRPO once published a step-53 checkpoint that only the
     interrupted run had."""
     steps = sorted(int(p.name.split("-")[1]) for p in (Path(run_dir) / "checkpoints").glob("step-*") if p.is_dir())
-    return [s for s in steps if every is None or s % every == 0]
+    return [s for s in steps if every is None or s % every == 0 or s in extra]
 
 
 def krea2(*args: str, device: str = "cpu", log: Path | None = None) -> None:

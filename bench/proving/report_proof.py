@@ -11,7 +11,8 @@ feature CNN of its FD; nothing the report computes), as a share of the distance 
 the base (``judge_moved``, the report's ``leak`` read by the judge), and their ink against the base's
 (``ink_ratio``: stroke weight).
 
-    python bench/proving/report_proof.py --run DIR [--seed S] [--every 100] [--out DIR/work/report_proof] [--judge-only]
+    python bench/proving/report_proof.py --run DIR [--seed S] [--every 100] [--extra-steps 20,40] [--reuse OLD/proof.json]
+                                         [--out DIR/work/report_proof] [--judge-only]
 
 ``--judge-only``: OUT holds a finished proof's training (``OUT/run/report.json``); judge its
 checkpoints again (with this version's measures) instead of training; writes ``OUT/proof_judged_again.json``.
@@ -47,11 +48,13 @@ MIN_RHO = 0.7
 
 
 def judge_checkpoints(run_dir: Path, work: Path, base_dir: Path, judge, *, per_digit: int, steps: int, guidance: float,
-                      seed: int, resolution: int, every: int, log: Path | None = None) -> list[dict]:
+                      seed: int, resolution: int, every: int, extra=(), known: dict | None = None,
+                      log: Path | None = None) -> list[dict]:
     """[{"step", "concept_share", "red_share", "leak_share", "accuracy", "judge_moved", "ink_ratio"}] per scheduled
-    checkpoint (every ``every`` steps) of the LoRA run ``run_dir``: the judge's verdict on ``per_digit``
+    checkpoint (every ``every`` steps, and the ``extra`` steps) of the LoRA run ``run_dir``: the judge's verdict on ``per_digit``
     samples per digit with the trigger (concept share, accuracy) and without it (leak share, and
-    :func:`moved` from the base's samples of the same prompts and seeds), CFG ``guidance``, sampling base ``seed``."""
+    :func:`moved` from the base's samples of the same prompts and seeds), CFG ``guidance``, sampling base ``seed``.
+    ``known``: {step: row} judged already (:func:`reusable_rows`), taken as they are."""
     from proving import digits
     from proving.curves import export_lora
     from proving.pretraining import checkpoint_steps
@@ -61,7 +64,10 @@ def judge_checkpoints(run_dir: Path, work: Path, base_dir: Path, judge, *, per_d
     pipe = load_pipeline(base_dir)
     base, _ = generate(None, range(10), per_digit, guidance, steps, seed=seed, resolution=resolution, pipe=pipe)
     rows = []
-    for step in checkpoint_steps(run_dir, every):
+    for step in checkpoint_steps(run_dir, every, extra):
+        if known and step in known:
+            rows.append(known[step])
+            continue
         pipe.load_lora_weights(str(export_lora(run_dir, step, work / f"step-{step}", log=log)))
         try:
             on, labels = generate(None, range(10), per_digit, guidance, steps, seed=seed, trigger=TRIGGER,
@@ -78,6 +84,21 @@ def judge_checkpoints(run_dir: Path, work: Path, base_dir: Path, judge, *, per_d
               f"accuracy {rows[-1]['accuracy']:.3f}, moved {rows[-1]['judge_moved']:.2f}, ink x{rows[-1]['ink_ratio']:.2f}",
               flush=True)
     return rows
+
+
+def reusable_rows(previous: Path, report: dict) -> dict:
+    """{step: judged row} of an earlier proof (``previous``: its ``proof.json``) whose training this one
+    repeats: every step both reports measured must have the same report row to the last digit (the
+    same weights, hence the same samples and verdict); else the earlier rows are not this run's."""
+    old = {row["step"]: row for row in json.loads(Path(previous).read_text())["checkpoints"]}
+    fields = ("concept", "concept_share", "leak", "copying", "diversity")
+    now = {row["step"]: {k: row.get(k) for k in fields} for row in report["checkpoints"]}
+    shared = sorted(set(old) & set(now))
+    differ = [step for step in shared if {k: old[step]["report"].get(k) for k in fields} != now[step]]
+    if not shared or differ:
+        raise SystemExit(f"--reuse {previous}: its report rows differ from this training's at steps {differ or 'all (none shared)'}; "
+                         "not the same run, judge every checkpoint instead")
+    return {step: {k: v for k, v in old[step].items() if k != "report"} for step in shared}
 
 
 def moved(judge, images, base, per_digit: int) -> float:
@@ -149,6 +170,10 @@ def main(argv=None) -> int:
     parser.add_argument("--run", required=True, help="a finished proving-ground run folder")
     parser.add_argument("--seed", type=int, default=None, help="the run's --seed (default: DIR/report.json's, else 0)")
     parser.add_argument("--every", type=int, default=100, help="checkpoint and validation interval (steps)")
+    parser.add_argument("--extra-steps", default="", help="also checkpoint, validate and judge after these steps "
+                        "(comma-separated, e.g. 20,40,60,80: where the judged concept share still moves)")
+    parser.add_argument("--reuse", help="an earlier proof.json of the same training (same --run, --seed, --every): "
+                        "its judged rows are taken where the report's rows match to the digit")
     parser.add_argument("--out", help="work folder (default RUN/work/report_proof); must be new unless --judge-only")
     parser.add_argument("--judge-only", action="store_true",
                         help="OUT holds a finished proof's training: judge its checkpoints again, train nothing")
@@ -164,6 +189,7 @@ def main(argv=None) -> int:
     seed = args.seed
     if seed is None:
         seed = json.loads((run / "report.json").read_text()).get("seed", 0) if (run / "report.json").is_file() else 0
+    extra = tuple(int(x) for x in args.extra_steps.split(",") if x.strip())
     out = Path(args.out).resolve() if args.out else run / "work" / "report_proof"
     if args.judge_only and not (out / "run" / "report.json").is_file():
         raise SystemExit(f"--judge-only: {out / 'run' / 'report.json'} not found (no finished proof training in --out {out})")
@@ -181,7 +207,8 @@ def main(argv=None) -> int:
         seconds = json.loads(previous.read_text()).get("train_seconds") if previous.is_file() else None
         exports = out / "exports_judged_again"
     else:
-        spec = dataclasses.replace(settings.lora, seed=seeds.lora, checkpoint_every=args.every, report=True)
+        spec = dataclasses.replace(settings.lora, seed=seeds.lora, checkpoint_every=args.every, report=True,
+                                   extra_checkpoints=extra)
         start = time.perf_counter()
         run_lora(spec, splits, run / "models" / "base", out, out / "lora_diffusers.safetensors", log=out / "commands.log")
         seconds = round(time.perf_counter() - start, 1)
@@ -189,8 +216,9 @@ def main(argv=None) -> int:
     report = json.loads((out / "run" / "report.json").read_text())
     judged = judge_checkpoints(out / "run", exports, run / "models" / "base", judge, per_digit=settings.per_digit,
                                steps=settings.sampling_steps, guidance=settings.guidance, seed=seeds.eval,
-                               resolution=pg.RESOLUTION, every=args.every, log=out / "commands.log")
-    result = {"run": str(run), "seed": seeds.run, "every": args.every, "train_seconds": seconds,
+                               resolution=pg.RESOLUTION, every=args.every, extra=extra,
+                               known=reusable_rows(Path(args.reuse), report) if args.reuse else None, log=out / "commands.log")
+    result = {"run": str(run), "seed": seeds.run, "every": args.every, "extra_steps": list(extra), "train_seconds": seconds,
               "encoder": report.get("encoder"), **compare(report, judged)}
     from krea2_diffusers.files import atomic_write
 

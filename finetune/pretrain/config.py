@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 
 from ..config import (CheckpointConfig, ConfigError, LoggingConfig, LRSchedulerConfig, ObjectiveConfig, OptimizerConfig,
-                      config_from_dict, parse_override)
+                      check_step_list, config_from_dict, parse_override)
 
 ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
 
@@ -202,6 +202,10 @@ class PretrainConfig:
         if not 0 <= self.captions.dropout < 1:
             raise ConfigError(f"captions.dropout must be in [0, 1), got {self.captions.dropout}")
         every = self.checkpointing.every_n_steps
+        check_step_list("checkpointing.steps", self.checkpointing.steps, self.total_steps, "the stages' total steps")
+        if self.pma.every_n_steps and self.checkpointing.steps:
+            raise ConfigError("checkpointing.steps with pma: PMA averages the last checkpoints of the "
+                              "checkpointing.every_n_steps grid; extra ones would enter its window")
         if self.pma.every_n_steps:
             if every <= 0 or self.pma.every_n_steps % every:
                 raise ConfigError(f"pma.every_n_steps ({self.pma.every_n_steps}) must be a multiple of "

@@ -275,7 +275,6 @@ class Pretrainer:
         metrics = MetricsLogger(self.out, runtime.is_main, step, total, config.logging.tensorboard,
                                 config.logging.progress_bar, config.logging.log_every_n_steps,
                                 wandb=config.logging.wandb, run_config=config.to_dict())
-        every = config.checkpointing.every_n_steps
         try:
             # Stopped while preparing: no step ran, there is nothing new to save.
             result.interrupted = step < total and runtime.any(stop.requested)
@@ -297,7 +296,7 @@ class Pretrainer:
                     metrics.log(step, row.pop("loss"), lr, row.pop("grad_norm"), extra=row)
                     # After the last step a stop changes nothing: the run ends as done.
                     stopping = runtime.any(stop.requested) and step < total
-                    if stopping or (every > 0 and step % every == 0) or step == stage_end:
+                    if stopping or config.checkpointing.due(step) or step == stage_end:
                         self.save(step, stage.name)
                     if stopping:
                         result.interrupted = True
