@@ -134,3 +134,20 @@ def test_the_report_proof_reads_its_gates_over_every_checkpoint_and_within_the_j
     result = compare(report, better)
     assert result["judge_within_leak_steps"] == [100, 200] and not result["met_within_leak"] and not result["met"]
     assert result["judge_best_within_leak"] == {"concept_share": 0.88, "accuracy": 0.99}
+
+
+def test_the_report_proof_reuses_judged_rows_only_from_the_same_training(tmp_path):
+    """``--reuse``: an earlier proof's judged rows are taken only where its report rows equal this
+    training's to the last digit (the same weights); any difference refuses them all."""
+    import json
+
+    from proving.report_proof import reusable_rows
+
+    fields = {"concept": 0.61, "concept_share": 0.5, "leak": 0.2, "copying": 0.8, "diversity": 0.3}
+    earlier = tmp_path / "proof.json"
+    earlier.write_text(json.dumps({"checkpoints": [{"step": 100, "accuracy": 0.9, "report": fields}]}))
+    now = {"checkpoints": [{"step": 10, **fields, "concept": 0.4}, {"step": 100, **fields, "seconds": 3.0}]}
+    assert reusable_rows(earlier, now) == {100: {"step": 100, "accuracy": 0.9}}
+    now["checkpoints"][1]["concept"] = 0.6100001
+    with pytest.raises(SystemExit, match=r"differ from this training's at steps \[100\]"):
+        reusable_rows(earlier, now)

@@ -191,6 +191,8 @@ def main(argv=None) -> int:
         seed = json.loads((run / "report.json").read_text()).get("seed", 0) if (run / "report.json").is_file() else 0
     extra = tuple(int(x) for x in args.extra_steps.split(",") if x.strip())
     out = Path(args.out).resolve() if args.out else run / "work" / "report_proof"
+    if args.reuse and not Path(args.reuse).is_file():  # before the training, not after it
+        raise SystemExit(f"--reuse {args.reuse}: no such file (an earlier proof's proof.json)")
     if args.judge_only and not (out / "run" / "report.json").is_file():
         raise SystemExit(f"--judge-only: {out / 'run' / 'report.json'} not found (no finished proof training in --out {out})")
     if not args.judge_only and out.exists() and any(out.iterdir()):
