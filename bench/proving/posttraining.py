@@ -22,8 +22,8 @@ guidance-free accuracy 0.850, diversity 24.4, 20 samples per digit, 16 Euler ste
 
 - DPO: pairs ranked by the reward over the base's guidance-free samples AND as many CFG samples
   (``chosen_guidance``; rejected: the worst guidance-free ones). CFG 3 candidates: 200 steps 0.915,
-  300 0.955 (the settings until issue 39's frontier: they taught CFG 3's bold strokes, FD 44-48 where
-  the frontier allows 29-36). CFG 1 candidates, 600 steps (the settings; chosen at training seed 0 on the
+  300 0.955 (the settings until issue 39's frontier: they taught CFG 3's bold strokes, FD 47.5 / 44.1 at
+  seeds 0 / 1 where the frontier's bound was 28.6 / 35.8). CFG 1 candidates, 600 steps (the settings; chosen at training seed 0 on the
   tuning sampling block against that block's own CFG sweep): accuracy 0.98 / 0.985 / 0.98 at steps
   400 / 500 / 600, FD 23.8-25.9 where CFG needs 28-30 for that accuracy; CFG 0.5 candidates reached
   0.95 at FD 23.5 (600 steps) and swung between 23.5 and 41.6 on the way. That block turned out to be
