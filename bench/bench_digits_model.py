@@ -33,7 +33,7 @@ def load_judge(path: str | None, seed: int):
     """The proving ground's judge reader: the one saved at ``path`` (``Judge.save``'s file), or trained
     again as ``proving_ground.classifiers`` trains it for ``--seed seed``."""
     from proving import digits
-    from proving.judge import reader_path, train_judge
+    from proving.judge import reader_path, run_judge
     from proving.reader import load_reader
     from proving.seeds import Seeds
     from proving_ground import FULL, RESOLUTION
@@ -45,8 +45,7 @@ def load_judge(path: str | None, seed: int):
         return load_reader(reader)
     seeds = Seeds(seed)
     splits = digits.load_splits(RESOLUTION, seeds.split)
-    judge_half, _ = digits.halves(splits.train_labels, seeds.halves)
-    return train_judge(splits, seed=seeds.judge, epochs=FULL.judge_epochs, scans=judge_half).reader
+    return run_judge(splits, seeds, FULL.judge_epochs).reader
 
 
 def main(argv=None) -> int:

@@ -119,6 +119,11 @@ class ParallelConfig:
     """``auto``: DDP for LoRA, FSDP2 for full fine-tune (only matters with more than one process)."""
 
 
+def scheduled(step: int, every_n_steps: int, steps: list[int]) -> bool:
+    """A schedule of ``every_n_steps`` (0: none) plus the listed ``steps``: is optimizer step ``step`` on it?"""
+    return (every_n_steps > 0 and step % every_n_steps == 0) or step in steps
+
+
 @dataclass
 class CheckpointConfig:
     every_n_steps: int = 250
@@ -131,7 +136,7 @@ class CheckpointConfig:
 
     def due(self, step: int) -> bool:
         """Whether the schedule saves after optimizer step ``step`` (1-based)."""
-        return (self.every_n_steps > 0 and step % self.every_n_steps == 0) or step in self.steps
+        return scheduled(step, self.every_n_steps, self.steps)
 
 
 @dataclass
@@ -165,6 +170,10 @@ class ValidationConfig:
     """Image features of the report: ``qwen3vl`` (the pipeline's own vision tower, pooled; nothing to
     download), ``pixels`` (no model: layout and colour, for tiny models) or a ``transformers`` image
     model (folder or hub id: DINOv2, SigLIP, CLIP ...)."""
+
+    def due(self, step: int) -> bool:
+        """Whether the schedule samples after optimizer step ``step`` (1-based; prompts or not)."""
+        return scheduled(step, self.every_n_steps, self.steps)
 
 
 @dataclass

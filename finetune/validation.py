@@ -34,8 +34,7 @@ class Validator:
         return bool(self.config.validation.prompts)
 
     def due(self, step: int) -> bool:
-        v = self.config.validation
-        return self.enabled and ((v.every_n_steps > 0 and step % v.every_n_steps == 0) or step in v.steps)
+        return self.enabled and self.config.validation.due(step)
 
     def _sample(self, pipe, steps: int, guidance: float):
         v = self.config.validation

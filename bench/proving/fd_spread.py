@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     from krea2_diffusers.cpu_threads import choose_cpu_threads
     from proving import digits
     from proving.frontier import frontier_fd
-    from proving.judge import train_judge
+    from proving.judge import run_judge
     from proving.sampling import load_pipeline
     from proving.seeds import Seeds
 
@@ -73,8 +73,7 @@ def main(argv=None) -> int:
     run, seeds, settings = Path(args.run), Seeds(args.seed), pg.FULL
     blocks = [int(b) for b in args.blocks.split(",")]
     splits = digits.load_splits(pg.RESOLUTION, seeds.split)
-    judge = train_judge(splits, seed=seeds.judge, epochs=settings.judge_epochs,
-                        scans=digits.halves(splits.train_labels, seeds.halves)[0])
+    judge = run_judge(splits, seeds, settings.judge_epochs)
     pipe = load_pipeline(run / "models" / "base")
     results = {}
     for g in (float(x) for x in args.guidance.split(",")):

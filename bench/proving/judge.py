@@ -222,3 +222,12 @@ def train_judge(splits, seed: int = 1, epochs: int = 40, scans=None) -> Judge:
     judge.heldout_features = features
     judge.heldout_diversity = diversity(features, heldout_labels)
     return judge
+
+
+def run_judge(splits, seeds, epochs: int) -> Judge:
+    """The judge of the proving-ground run with :class:`proving.seeds.Seeds` ``seeds``, trained again as
+    the run trained it (its half of the training scans, its seed; deterministic): what the run's own
+    measures use, for the scripts that judge a finished run."""
+    from .digits import halves
+
+    return train_judge(splits, seed=seeds.judge, epochs=epochs, scans=halves(splits.train_labels, seeds.halves)[0])

@@ -73,6 +73,7 @@ def lora_config(spec: LoraSpec, base_dir: Path, concept: Path, regular: Path, ru
     learn the trigger word, and the in/out projections of this narrow model); with ``spec.report`` it
     validates at every checkpoint with the checkpoint report on."""
     every = spec.checkpoint_every or spec.steps
+    listed = {"steps": list(spec.extra_checkpoints)} if spec.extra_checkpoints else {}  # checkpointed and validated
     config = {
         "output_dir": str(run_dir),
         "model": {"pretrained_model_name_or_path": str(base_dir), "max_sequence_length": 32},
@@ -84,14 +85,12 @@ def lora_config(spec: LoraSpec, base_dir: Path, concept: Path, regular: Path, ru
                  "extra_modules": ["img_in", "final_layer.linear"]},
         "optimizer": {"learning_rate": spec.learning_rate},
         "lr_scheduler": {"name": "wsd", "warmup_steps": min(20, spec.steps // 10), "decay_fraction": 0.3},
-        "checkpointing": {"every_n_steps": every, "keep_last": spec.steps // every + len(spec.extra_checkpoints),
-                          **({"steps": list(spec.extra_checkpoints)} if spec.extra_checkpoints else {})},
+        "checkpointing": {"every_n_steps": every, "keep_last": spec.steps // every + len(spec.extra_checkpoints), **listed},
         "export": {"formats": ["diffusers"], "trigger_words": [TRIGGER]},
         "logging": {"progress_bar": False, "tensorboard": False},
     }
     if spec.report:
-        config["validation"] = {"every_n_steps": every, **({"steps": list(spec.extra_checkpoints)} if spec.extra_checkpoints else {}),
-                                "prompts": [caption(d, TRIGGER) for d in range(10)],
+        config["validation"] = {"every_n_steps": every, **listed, "prompts": [caption(d, TRIGGER) for d in range(10)],
                                 "num_inference_steps": 16, "guidance_scale": 3.0, "height": resolution,
                                 "width": resolution, "seed": spec.seed, "metrics": True, "seeds_per_prompt": 2,
                                 "encoder": "pixels"}

@@ -181,7 +181,7 @@ def main(argv=None) -> int:
 
     import proving_ground as pg
     from proving import digits
-    from proving.judge import train_judge
+    from proving.judge import run_judge
     from proving.lora import run_lora
     from proving.seeds import Seeds
 
@@ -202,8 +202,7 @@ def main(argv=None) -> int:
     choose_cpu_threads(width=pg.WIDTH)
     seeds, settings = Seeds(seed), pg.FULL
     splits = digits.load_splits(pg.RESOLUTION, seeds.split)
-    judge = train_judge(splits, seed=seeds.judge, epochs=settings.judge_epochs,
-                        scans=digits.halves(splits.train_labels, seeds.halves)[0])
+    judge = run_judge(splits, seeds, settings.judge_epochs)
     if args.judge_only:  # the training's time, as the first proof recorded it
         previous = out / "proof.json"
         seconds = json.loads(previous.read_text()).get("train_seconds") if previous.is_file() else None
