@@ -2,14 +2,15 @@
 random weights and the streamed quantized loader.
 
     python bench/full_size.py generate --quantize {fp8,int8,nf4,Q4_K} [--resolution 128] [--steps 2]
-                                       [--checkpoint PATH] [--json OUT]
+                                       [--checkpoint PATH] [--gguf PATH] [--json OUT]
     python bench/full_size.py train    --quantize {fp8,int8,nf4}      [--resolution 128] [--steps 2]
                                        [--checkpoint PATH] [--json OUT]
 
 ``--checkpoint``: the random full-size original-layout file (bench/full_size_models.py), created
 there, tensor by tensor, if missing. ``generate`` makes one image (2 steps, guidance off, one
 transformer forward a step) through ``krea2 generate`` with the transformer stored as fp8 / int8 /
-nf4 (streamed in by block) or as a Q4_K GGUF written by ``krea2 quantize`` (streamed too).
+nf4 (streamed in by block) or as a Q4_K GGUF written by ``krea2 quantize`` (streamed too; into the
+temporary folder, or kept at ``--gguf PATH`` and read from there by the next run: ~4 min saved).
 ``train`` runs ``krea2 train``: LoRA r32 on the quantized base, batch 1, activation checkpointing,
 then the LoRA export. ``--dtype auto`` (the default) computes in the project's policy's dtype
 (krea2_diffusers/precision.py): bf16 on a GPU and on a CPU with bf16 units (AVX512-BF16 here: ~4x
@@ -89,6 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument("--steps", type=int, default=2)
         p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
         p.add_argument("--json", type=Path, default=None)
+        if mode == "generate":
+            p.add_argument("--gguf", type=Path, default=None,
+                           help="Q4_K: the GGUF to read, written there by krea2 quantize when missing (default: a temporary one)")
         p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                        help="compute dtype; auto: the project's policy (bf16 on CUDA and on CPUs with bf16 units)")
         p.add_argument("--small", action="store_true", help="a 2-block model of the same widths per head (see above)")
@@ -206,8 +210,11 @@ def generate(args, tmp: Path, device: str, machine: dict) -> dict:
     dtype = getattr(torch, args.dtype)
     model, quantization = args.checkpoint, args.quantize
     if args.quantize == "Q4_K":
-        model, quantization = tmp / "krea2-Q4_K.gguf", None
-        _krea2("quantize", str(args.checkpoint), str(model), "--type", "Q4_K", log=tmp / "quantize.log", here=args.small)
+        model, quantization = args.gguf or tmp / "krea2-Q4_K.gguf", None
+        if model.exists():
+            print(f"reading {model} (kept by an earlier run; delete it to quantize again)", flush=True)
+        else:
+            _krea2("quantize", str(args.checkpoint), str(model), "--type", "Q4_K", log=tmp / "quantize.log", here=args.small)
     tokens = (args.resolution // 16) ** 2 + len(PROMPT.split()) * 2
     plan = plan_host_memory(model, quantization, dtype, text_encoder=args.text_encoder, vae=None, tokens=tokens,
                             release_text_encoder=True)

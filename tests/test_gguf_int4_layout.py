@@ -58,7 +58,7 @@ def relative_error(out, exact):
     return float((out.double() - exact).norm() / exact.norm())
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda q: q.name)
 def test_generation_calls_take_the_kernel_and_other_paths_are_unchanged(qtype, monkeypatch):
     packed, exact = ggml_bytes(qtype)
     bias = torch.randn(OUT, generator=torch.Generator().manual_seed(1))

@@ -98,7 +98,8 @@ def _blocks_q5_1(b: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def k_scales_mins(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unpack Q4_K/Q5_K's 12 scale bytes -> two ``(n, 8)`` uint8 tensors of 6-bit numbers.
+    """Unpack Q4_K/Q5_K's 12 scale bytes ``(n, 12, ...)`` -> two ``(n, 8, ...)`` uint8 tensors of
+    6-bit numbers (the bytes along dim 1: rows of blocks, or byte planes over many blocks).
 
     Bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7; bytes 4-7 the same
     for the mins; bytes 8-11 the low 4 bits of scales 4-7 (low nibble) and mins 4-7 (high nibble).
