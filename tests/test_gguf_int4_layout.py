@@ -104,6 +104,24 @@ def test_cpus_without_bf16_units_take_the_kernel_at_any_row_count(monkeypatch):
     assert layer.in_int4_layout
 
 
+def test_a_compiled_call_traces_the_kernel_in_one_graph(monkeypatch):
+    """``--compile`` on a 4-bit model: dynamo traces a layer in the int4 layout without a graph break
+    (the row limit's /proc/cpuinfo read broke it at every layer) and gives the eager output."""
+    monkeypatch.delenv("KREA2_CPU_BF16", raising=False)  # the detection a user's run does (conftest fixes it)
+    packed, _ = ggml_bytes(Q.Q4_K)
+    layer = PackedLinear(IN, OUT, Q.Q4_K, packed)
+    x = torch.randn(9, IN).bfloat16()
+    with torch.no_grad():
+        layer(x)  # re-lays out the bytes, outside any graph
+        assert layer.in_int4_layout
+        # inside a block, between other ops (a break at a frame's first line hides as a skipped frame)
+        in_block = lambda inputs: layer(inputs * 2) + 1  # noqa: E731
+        explained = torch._dynamo.explain(in_block)(x)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(in_block, backend="eager")(x), in_block(x))
+
+
 def test_a_q4_k_gguf_model_generates_in_bf16_on_the_kernel(tmp_path, monkeypatch):
     """The user's path: a community-written Q4_K file loaded in bf16; every 4-bit layer takes the
     kernel, and the model's output is as close to its float32 output as expanding into bf16 was."""

@@ -128,8 +128,10 @@ def int4_matmul(x: torch.Tensor, nibbles: torch.Tensor, table: torch.Tensor) -> 
 NATIVE_BF16_MAX_ROWS = 128
 
 
+@torch.compiler.assume_constant_result
 def row_limit() -> int | None:
-    """Most rows a call for the kernel on this CPU (None: no limit)."""
+    """Most rows a call for the kernel on this CPU (None: no limit). A constant to ``torch.compile``:
+    traced, its /proc/cpuinfo read broke the graph at every 4-bit layer (``--compile``)."""
     from ...precision import cpu_has_bf16
 
     return NATIVE_BF16_MAX_ROWS if cpu_has_bf16() else None
