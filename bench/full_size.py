@@ -349,6 +349,8 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="krea2-full-size-"))
     args.checkpoint = (tmp / "krea2-small-random.safetensors" if args.small else args.checkpoint).resolve()
     args.text_encoder = "tiny-random" if args.small else tmp / "text_encoder"
+    if getattr(args, "gguf", None):  # krea2 quantize runs in the checkout (cwd=ROOT): a relative path meant this one
+        args.gguf = args.gguf.resolve()
     try:
         machine = prepare(args, tmp)
         device = "cpu" if machine["device"] == "cpu" else "cuda"
