@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -54,7 +53,7 @@ from gguf import quants as gguf_quants
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from full_size_record import machine_state, threads_record  # noqa: E402
+from full_size_record import cpu_record, machine_state, threads_record  # noqa: E402
 
 from krea2_diffusers.cpu_usage import Usage  # noqa: E402
 from krea2_diffusers.quantization.gguf import dequant  # noqa: E402
@@ -324,7 +323,7 @@ def main(argv=None) -> dict:
     rows, cols = (int(n) for n in args.shape.lower().split("x"))
     types = [Q[name] for name in args.types.split(",") if name]
     record = {"shape": [rows, cols], "repeats": args.repeats, "threads": threads_record(),
-              "machine_before": machine_state(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "cpu": cpu_record(), "machine_before": machine_state(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
               "types": [bench_type(qtype, rows, cols, args.repeats) for qtype in types]}
     forward_type = Q[args.forward_type]
     if args.tokens:

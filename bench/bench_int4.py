@@ -41,7 +41,7 @@ from gguf import quants as gguf_quants
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_dequant import best_of, comfy_style_dequantize, packed_weight  # noqa: E402
-from full_size_record import machine_state, threads_record  # noqa: E402
+from full_size_record import cpu_record, machine_state, threads_record  # noqa: E402
 
 from krea2_diffusers.precision import cpu_bf16  # noqa: E402
 from krea2_diffusers.quantization.chunked_linear import chunked_linear  # noqa: E402
@@ -139,7 +139,7 @@ def main(argv=None) -> dict:
     rows, cols = (int(n) for n in args.shape.lower().split("x"))
     qtype = Q[args.type]
     record = {"qtype": qtype.name, "shape": [rows, cols], "repeats": args.repeats, "threads": threads_record(),
-              "bf16_units": cpu_bf16().reason, "machine_before": machine_state(),
+              "bf16_units": cpu_bf16().reason, "cpu": cpu_record(), "machine_before": machine_state(),
               "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     record["results"] = [bench_rows(qtype, rows, cols, int(t), args.repeats, args.compiled) for t in args.tokens.split(",")]
     record["machine_after"] = machine_state()

@@ -28,7 +28,8 @@ run's thread count, and the transformer's achieved GFLOPS as a fraction of its d
 step losses and the exported LoRA files.
 
 Recorded beside them (bench/full_size_record.py), so that two machines' figures can be told apart:
-the compute dtype and why, the threads (torch's counts, ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``,
+the CPU (``cpu``: its name, family and model, bf16 units, AMX flags and L3 bytes), the compute
+dtype and why, the threads (torch's counts, ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``,
 the CPUs), the load average, memory, page cache and huge-page mode before and after, how much of
 the checkpoint (and of the GGUF file loaded) was in the page cache before its load, the load's
 seconds and CPU, each quantized layer class's expansion path, and the steady step split into parts
@@ -338,7 +339,7 @@ def _print_split(result: dict) -> None:
 
 
 def main(argv=None) -> int:
-    from full_size_record import machine_state, page_cache
+    from full_size_record import cpu_record, describe_cpu, machine_state, page_cache
 
     args = parse_args(argv)
     if args.small:  # its matrices take microseconds: a second thread only synchronises (krea2_diffusers/cpu_threads.py)
@@ -356,6 +357,8 @@ def main(argv=None) -> int:
         device = "cpu" if machine["device"] == "cpu" else "cuda"
         args.dtype = machine["compute_dtype"]
         print(f"compute dtype: {args.dtype} ({machine['compute_dtype_reason']}); threads {machine['threads']}", flush=True)
+        cpu = cpu_record()
+        print(f"cpu: {describe_cpu(cpu)}", flush=True)
         state, cache = machine_state(), page_cache(args.checkpoint)
         print(f"before the run: load average {state['load_average']}, {state['meminfo'].get('MemAvailable', 0) / GIB:.1f} GiB "
               f"available, {100 * cache['resident_fraction']:.0f}% of the checkpoint in the page cache", flush=True)
@@ -367,7 +370,7 @@ def main(argv=None) -> int:
             torch.set_num_threads(threads)
     result = dict(peak_host_bytes=peak.peak, max_hwm_bytes=peak.max_hwm, device=machine["device"],
                   threads=machine["threads"], compute_dtype=args.dtype, compute_dtype_reason=machine["compute_dtype_reason"],
-                  small=args.small, machine_before=state, machine_after=machine_state(),
+                  small=args.small, cpu=cpu, machine_before=state, machine_after=machine_state(),
                   page_cache_checkpoint_at_start=cache, **result)
     print(json.dumps(result, indent=2))
     result.update(peak_at_seconds=peak.peak_at, host_timeline=peak.timeline)

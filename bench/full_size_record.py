@@ -27,6 +27,52 @@ def threads_record() -> dict:
             "cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)), "parallel_backend": backend}
 
 
+CPU_SYSFS = Path("/sys/devices/system/cpu")
+
+
+def cpu_record(cpuinfo: Path = Path("/proc/cpuinfo"), sysfs: Path = CPU_SYSFS) -> dict:
+    """Which CPU ran: its name, vendor, family and model, its bf16 units (as the compute-dtype
+    policy reads them), and its last-level cache in bytes (the distinct level-3 caches, summed).
+
+    Machines sold as the same 2-core kind differ here, and the figures with them (issue 42: a 300 MB
+    L3 with AMX, a 32 MB L3 without bf16 units, a 32 MB L3 with AVX512-BF16 only), so every run's
+    JSON names its CPU instead of leaving it to the reader's memory of the session."""
+    from krea2_diffusers.precision import cpu_bf16_flags
+
+    text = cpuinfo.read_text(errors="replace") if cpuinfo.exists() else ""
+    first: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if first:
+                break  # the first processor's block describes them all here
+            continue
+        key, _, value = line.partition(":")
+        first.setdefault(key.strip(), value.strip())
+    caches = {}
+    for index in sorted(sysfs.glob("cpu[0-9]*/cache/index[0-9]*")):
+        try:
+            if (index / "level").read_text().strip() != "3":
+                continue
+            size = (index / "size").read_text().strip()
+            shared = (index / "shared_cpu_list").read_text().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        caches[shared] = int(size.rstrip("KMG")) * scale
+    flags = set(first.get("flags", "").split())
+    return {"model_name": first.get("model name"), "vendor": first.get("vendor_id"),
+            "family": first.get("cpu family"), "model": first.get("model"),
+            "bf16_units": cpu_bf16_flags(text), "amx": sorted(f for f in flags if f.startswith("amx")),
+            "l3_bytes": sum(caches.values()) or None, "l3_caches": len(caches)}
+
+
+def describe_cpu(cpu: dict) -> str:
+    """One line for a bench's log, e.g. ``AMD EPYC (family 25, model 17), L3 32 MiB, bf16 units: AVX512-BF16``."""
+    l3 = f"L3 {cpu['l3_bytes'] / 2 ** 20:.0f} MiB" if cpu["l3_bytes"] else "L3 unknown"
+    units = " and ".join(cpu["bf16_units"]) or "none"
+    return f"{cpu['model_name']} (family {cpu['family']}, model {cpu['model']}), {l3}, bf16 units: {units}"
+
+
 def machine_state() -> dict:
     """Load average, /proc/meminfo's memory and page-cache figures (bytes), and the transparent huge
     page mode: a fresh page costs ~1.6 us to fault in here with 4 KiB pages (bench/bench_dequant.py's

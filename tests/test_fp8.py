@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from krea2_diffusers.quantization.fp8 import FP8_MAX, Fp8Linear, quantize_transformer_fp8_
+from krea2_diffusers.quantization.fp8 import FP8_MAX, Fp8Linear, dequantize_weight, quantize_transformer_fp8_
 from krea2_diffusers.models.tiny import tiny_components
 
 
@@ -19,6 +19,24 @@ def linear(out=6, inp=5, seed=0):
         layer.weight[0] *= 100  # one large row: a per-tensor scale would flush the others
         layer.weight[1] *= 1e-3
     return layer
+
+
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3fn", "e5m2"])
+def test_every_fp8_code_dequantizes_as_torchs_own_cast(fp8_dtype):
+    """The CPU expansion (each row's 256 possible values, looked up) against torch's own fp8 cast,
+    the oracle any faster expansion must match: all 256 codes (zeros, subnormals, the largest,
+    e5m2's infinities, NaNs) in every row, times per-row scales from tiny to large and a scalar,
+    in bf16, fp16 and float32, against the cast times the scale in float32 rounded once, to the
+    bit (NaN where it is NaN)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    rows = torch.stack([codes.roll(r) for r in range(7)]).view(fp8_dtype)  # (7, 256): each code in each row
+    scales = torch.tensor([1.0, 3e-3, 0.0123, 7.7, 1e-30, 2.0 ** -126, 1e4])
+    for scale in (scales, scales.reshape(-1, 1), torch.tensor(0.0123)):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            got = dequantize_weight(rows, scale, dtype)
+            want = (rows.float() * scale.reshape(-1, 1)).to(dtype)
+            assert got.dtype == dtype and torch.equal(got.isnan(), want.isnan()), (dtype, scale.shape)
+            assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0)), (dtype, scale.shape)
 
 
 @pytest.mark.parametrize("per_row", [True, False])
