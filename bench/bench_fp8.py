@@ -4,8 +4,8 @@
                               [--repeats 4] [--json OUT]
 
 One process; for each shape and row count an :class:`Fp8Linear` (N(0, 0.02) weights, per-row
-scales) runs its bf16 forward with each expansion in turn (calls alternating, each keeping its
-fastest of ``--repeats``), beside the matmul alone on the weight expanded beforehand:
+scales) runs its bf16 forward with each expansion in turn, beside the matmul alone on the weight expanded
+beforehand (``bench_dequant.best_of``: calls alternating, each keeping its fastest of ``--repeats``):
 
 - ``table``: :func:`krea2_diffusers.quantization.fp8.dequantize_weight`, each row's 256 possible
   values computed once and looked up with ``index_select`` (what the library runs);
@@ -23,15 +23,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from krea2_diffusers.quantization import fp8  # noqa: E402
 from krea2_diffusers.quantization.bnb_packing import CHUNK_WEIGHTS  # noqa: E402
+from bench_dequant import best_of  # noqa: E402
+from full_size_record import cpu_record, threads_record  # noqa: E402
 
 
 def shifted_dequantize(weight_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -70,7 +72,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     library = fp8.dequantize_weight
-    candidates = {"table": library, "shifted": shifted_dequantize}
     rows_out = []
     try:
         for shape in args.shapes.split(","):
@@ -79,38 +80,39 @@ def main(argv=None) -> dict:
             linear = torch.nn.Linear(in_features, out_features, bias=False)
             torch.nn.init.normal_(linear.weight, std=0.02)
             layer = fp8.Fp8Linear.from_linear(linear, compute_dtype=torch.bfloat16)
+            weight = layer.dequantized_weight(torch.bfloat16)
             for tokens in map(int, args.tokens.split(",")):
                 x = torch.randn(tokens, in_features, dtype=torch.bfloat16)
-                best, outputs = {}, {}
+                outputs = {}
+
+                def forward(fn):
+                    def call():
+                        fp8.dequantize_weight = fn  # the layer's chunks look it up at each call
+                        return layer(x)
+                    return call
+
                 with torch.no_grad():
-                    for _ in range(args.repeats):
-                        for name, fn in candidates.items():
-                            fp8.dequantize_weight = fn  # the layer's chunks look it up at each call
-                            start = time.perf_counter()
-                            outputs[name] = layer(x)
-                            best[name] = min(best.get(name, float("inf")), time.perf_counter() - start)
-                    fp8.dequantize_weight = library
-                    weight = layer.dequantized_weight(torch.bfloat16)
-                    matmul = min(_timed(lambda: torch.nn.functional.linear(x, weight)) for _ in range(args.repeats))
+                    best, _ = best_of({"table": forward(library), "shifted": forward(shifted_dequantize),
+                                       "matmul": lambda: torch.nn.functional.linear(x, weight)},
+                                      args.repeats, check=lambda name, out: outputs.setdefault(name, out))
+                fp8.dequantize_weight = library
                 if not torch.equal(outputs["table"], outputs["shifted"]):
                     raise SystemExit(f"{shape} at {tokens} rows: the two expansions' outputs differ")
-                row = {"shape": [out_features, in_features], "tokens": tokens, "table_s": best["table"],
-                       "shifted_s": best["shifted"], "matmul_s": matmul, "speedup": best["table"] / best["shifted"]}
+                table, shifted, matmul = (best[name].wall for name in ("table", "shifted", "matmul"))
+                row = {"shape": [out_features, in_features], "tokens": tokens, "table_s": table,
+                       "shifted_s": shifted, "matmul_s": matmul, "speedup": table / shifted}
                 rows_out.append(row)
-                print(f"{shape} {tokens:5d} rows: table {best['table'] * 1e3:7.1f} ms, shifted {best['shifted'] * 1e3:7.1f} ms "
+                print(f"{shape} {tokens:5d} rows: table {table * 1e3:7.1f} ms, shifted {shifted * 1e3:7.1f} ms "
                       f"({row['speedup']:.2f}x), matmul alone {matmul * 1e3:6.1f} ms; outputs equal", flush=True)
     finally:
         fp8.dequantize_weight = library
-    record = {"threads": torch.get_num_threads(), "rows": rows_out}
+    record = {"threads": threads_record(), "cpu": cpu_record(), "rows": rows_out}
     if args.json:
-        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+        from krea2_diffusers.files import atomic_write
+
+        with atomic_write(args.json, "w") as handle:
+            json.dump(record, handle, indent=1)
     return record
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 if __name__ == "__main__":
