@@ -61,6 +61,17 @@ def test_quick_run_trains_and_measures_every_stage(tmp_path):
     # than another scan of the digit, and that ratio is the ceiling the edit's is read against.
     edit = summary["edit"]
     assert edit["target_iou_source"] > edit["target_iou_other"] and edit["target_iou_ratio"] > 1
+    # The mask analysis (bench/proving/edit_masks.py) reads the run's saved edits and sources and finds the
+    # stage's own figure at the stage's mask (it exits non-zero otherwise); a colour-blind mask reads the
+    # perfect edit (red ink) as its black source: IoU near 1 where the stage's luminance mask reads 0.89.
+    masks_json = tmp_path / "edit_masks.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "proving" / "edit_masks.py"), "--run", str(out),
+                           "--summary", str(summary_path), "--json", str(masks_json)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rows = {(r["mask"], r["threshold"]): r for r in json.loads(masks_json.read_text())["0"]}
+    assert rows[("luminance", 0.2)]["edit"]["iou_source"] == edit["iou_source"]
+    assert rows[("coverage", 0.2)]["target"]["iou_source"] > 0.95 > rows[("luminance", 0.2)]["target"]["iou_source"]
 
     # Loadable outputs: the base model folder (from krea2 pretrain + krea2 export) and the stage LoRAs.
     from krea2_diffusers import Krea2Pipeline
