@@ -118,9 +118,15 @@ def sample_edits(pipe, sources: np.ndarray, steps: int, guidance: float, seed: i
     return np.stack(out)
 
 
+def luminance_darkness(images: np.ndarray) -> np.ndarray:
+    """float (N, H, W) in [0, 1]: how much darker than paper each pixel of uint8 (N, H, W, 3) images is, by
+    the channels' mean (full red ink 0.66, black 1.0)."""
+    return 1 - images.astype(np.float32).mean(axis=-1) / 255
+
+
 def ink_mask(images: np.ndarray) -> np.ndarray:
     """bool (N, H, W): pixels at least :data:`proving.digits.INK_DARKNESS` darker than paper (any colour)."""
-    return (1 - images.astype(np.float32).mean(axis=-1) / 255) >= INK_DARKNESS
+    return luminance_darkness(images) >= INK_DARKNESS
 
 
 def iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:

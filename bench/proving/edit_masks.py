@@ -35,12 +35,9 @@ BENCH = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent))
 
+from proving.edit import iou, luminance_darkness  # noqa: E402
+
 THRESHOLDS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
-
-
-def luminance(images: np.ndarray) -> np.ndarray:
-    """float (N, H, W) in [0, 1]: darkness by the channels' mean (the stage's :func:`proving.edit.ink_mask`)."""
-    return 1 - images.astype(np.float32).mean(axis=-1) / 255
 
 
 def coverage(images: np.ndarray) -> np.ndarray:
@@ -49,17 +46,16 @@ def coverage(images: np.ndarray) -> np.ndarray:
     return 1 - images.astype(np.float32).min(axis=-1) / 255
 
 
-MEASURES = {"luminance": luminance, "coverage": coverage}
+MEASURES = {"luminance": luminance_darkness, "coverage": coverage}
+"""Per mask, its darkness map; ``luminance`` is the stage's own (:func:`proving.edit.ink_mask`)."""
 
 
 def ratios(outputs: np.ndarray, sources: np.ndarray, others: np.ndarray, measure, threshold: float) -> dict:
     """{"iou_source", "iou_other", "iou_ratio"} of uint8 (N, H, W, 3) aligned arrays under one mask."""
-    from proving.edit import iou
-
     out = measure(outputs) >= threshold
     source = iou(out, measure(sources) >= threshold).mean()
     other = iou(out, measure(others) >= threshold).mean()
-    # None: no output pixel reaches the threshold (full red ink is 0.66 dark in luminance)
+    # None: no output mask overlaps the other scan's (at luminance >= 0.7 red ink leaves no mask at all)
     return {"iou_source": float(source), "iou_other": float(other),
             "iou_ratio": float(source / other) if other > 0 else None}
 
