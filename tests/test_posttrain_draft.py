@@ -106,8 +106,8 @@ def test_under_bf16_a_zero_lora_samples_and_scores_exactly_like_the_base(bf16_tr
     trainer = bf16_trainer
     prompt_ids, noise, lv_noise = trainer.draft_inputs(0)
     text = trainer.conditioning(prompt_ids)
-    latents, lv = trainer.sample(trainer.model, text, noise, lv_noise)  # the training path, with gradients
-    base_latents, base_lv = trainer.sample(trainer.base, text, noise, lv_noise, grad=False)
+    latents, lv, _ = trainer.sample(trainer.model, text, noise, lv_noise)  # the training path, with gradients
+    base_latents, base_lv, _ = trainer.sample(trainer.base, text, noise, lv_noise, grad=False)
     assert latents.requires_grad and lv.requires_grad
     assert torch.equal(latents.detach(), base_latents) and torch.equal(lv.detach(), base_lv)
     rewards = [redness(trainer.decode(x), None, None) for x in (latents, *lv, base_latents, *base_lv)]
@@ -117,7 +117,7 @@ def test_under_bf16_a_zero_lora_samples_and_scores_exactly_like_the_base(bf16_tr
     # (The reference holds the run's precision context itself: both are switched off.)
     trainer.runtime.autocast = trainer.reference.precision = contextlib.nullcontext
     try:
-        fp32_latents, _ = trainer.sample(trainer.base, text, noise, grad=False)
+        fp32_latents, _, _ = trainer.sample(trainer.base, text, noise, grad=False)
     finally:
         trainer.runtime.autocast = trainer.reference.precision = bf16_autocast
     assert not torch.equal(fp32_latents, base_latents)
@@ -134,7 +134,7 @@ def test_only_the_last_k_conditional_forwards_and_the_lv_steps_carry_gradients(b
         calls.append((branch, torch.is_grad_enabled()))
         return trainer.model(**inputs)
 
-    latents, lv = trainer.sample(recording, text, noise, lv_noise)
+    latents, lv, _ = trainer.sample(recording, text, noise, lv_noise)
     # 6 steps + the lv_samples (default 2) LV steps, each a conditional and an unconditional forward (guidance 1.0).
     assert [b for b, _ in calls] == ["cond", "uncond"] * 8
     assert [g for b, g in calls if b == "cond"] == [False] * 4 + [True] * 4
@@ -158,12 +158,12 @@ def test_lv_averages_lv_samples_renoised_last_steps_each_from_its_own_noise(bf16
     assert lv_noise.shape == (2, *noise.shape) and not torch.equal(lv_noise[0], lv_noise[1])
     text = trainer.conditioning(prompt_ids)
     with torch.no_grad():
-        latents, lv = trainer.sample(trainer.base, text, noise, lv_noise, grad=False)
+        latents, lv, _ = trainer.sample(trainer.base, text, noise, lv_noise, grad=False)
         t, end = trainer.times[-2], trainer.times[-1]
         for eps, sample in zip(lv_noise, lv):  # each LV sample, stepped here by hand from its own noise
             start = sampling.noised(latents, eps, t)
             with bf16_autocast():
-                by_hand = sampling.euler_step(start, trainer.step_velocity(trainer.base, start, t, text), t, end)
+                by_hand = sampling.euler_step(start, trainer.step_velocity(trainer.base, start, t, text)[0], t, end)
             assert torch.equal(sample, by_hand)
         assert not torch.equal(lv[0], lv[1])
         loss, stats, _ = trainer.micro_batch_loss(0, 0)  # the training path: the zero LoRA is the base
@@ -174,6 +174,49 @@ def test_lv_averages_lv_samples_renoised_last_steps_each_from_its_own_noise(bf16
     torch.testing.assert_close(loss.detach(), expected, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(stats["reward_lv_mean"], (rewards[1] + rewards[2]) / 2, rtol=1e-6, atol=1e-7)
     trainer.optimizer.zero_grad(set_to_none=True)
+
+
+def test_the_base_anchor_is_the_mean_squared_velocity_gap_to_the_base_over_the_differentiable_steps(tmp_path):
+    """``anchor_weight``: the loss adds the mean, over the ``draft_k`` differentiable steps, of the
+    squared difference between the trained and the base weights' conditional velocity on the
+    trained model's latents, computed here by hand with the adapters switched off; its gradient
+    reaches the LoRA, none reaches the base or the VAE."""
+    from finetune.posttrain.rollout import velocity
+    from krea2_diffusers import sampling
+
+    config = draft_config(tmp_path / "run", draft_k=3, anchor_weight=0.5)
+    trainer = trainer_for(build_config(config, cls=PosttrainConfig))
+    trainer.setup()
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # move the LoRA off its base: B starts at zero
+        for name, parameter in trainer.model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(0.05 * torch.randn(parameter.shape, generator=generator))
+    prompt_ids, noise, _ = trainer.draft_inputs(0)
+    text = trainer.conditioning(prompt_ids)
+    _, _, anchor = trainer.sample(trainer.model, text, noise)
+    with torch.no_grad():
+        latents, gaps = noise, []
+        for i, (t, t_next) in enumerate(zip(trainer.times[:-1], trainer.times[1:])):
+            v = velocity(trainer.model, latents, t, text[0])
+            if i >= len(trainer.times) - 1 - 3:
+                trainer.model.disable_adapters()
+                gaps.append((v - velocity(trainer.model, latents, t, text[0])).pow(2).mean(dim=(1, 2)))
+                trainer.model.enable_adapters()
+            latents = sampling.euler_step(latents, v, t, t_next)
+    assert anchor.shape == (len(prompt_ids),) and float(anchor.detach().min()) > 0
+    torch.testing.assert_close(anchor.detach(), torch.stack(gaps).mean(0), rtol=1e-5, atol=1e-9)
+    loss, stats, _ = trainer.micro_batch_loss(0, 0)
+    reward = redness(trainer.decode(trainer.sample(trainer.model, text, noise, grad=False)[0]), None, None)
+    torch.testing.assert_close(loss.detach(), -reward.mean() + 0.5 * stats["anchor"].mean(), rtol=1e-5, atol=1e-7)
+    anchor.mean().backward()
+    assert sum(float(p.grad.abs().sum()) for p in trainer.params if p.grad is not None) > 0
+    assert not any(p.grad is not None for p in trainer.pipe.vae.parameters())
+    off = trainer_for(build_config(draft_config(tmp_path / "off", draft_k=3), cls=PosttrainConfig))
+    off.setup()
+    assert off.sample(off.model, off.conditioning(prompt_ids), noise)[2] is None  # 0: no base forward at all
+    with pytest.raises(ConfigError, match="draft.anchor_weight"):
+        build_config(draft_config(tmp_path / "bad", anchor_weight=-1.0), cls=PosttrainConfig)
 
 
 def test_the_memory_plan_counts_draft_k_plus_lv_samples_forwards(tmp_path, no_model_loading):

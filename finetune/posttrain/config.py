@@ -147,6 +147,11 @@ class DraftConfig(PromptSource):
     (Clark et al. 2023, Sec. 4 "DRaFT-LV" and Algorithm 1) uses n = 2."""
     guidance: float = 0.0
     """CFG while sampling (Krea convention, 0 = off); only the conditional branch carries gradients."""
+    anchor_weight: float = 0.0
+    """Weight of the base anchor: the mean squared difference between the trained and the base
+    weights' conditional velocity at each differentiable step (on the trained model's own latents),
+    added to the loss. A trust region toward the base, which reward maximisation alone lacks
+    (0 = off, DRaFT as published; each differentiable step then costs one more forward, no gradient)."""
     resolution: int = 1024
     rewards: list[RewardConfig] = field(default_factory=list)
     """Differentiable plug-ins ``package.module:function(images, prompts, metadata) -> tensor (B,)``
@@ -226,6 +231,8 @@ class PosttrainConfig(TrainConfig):
         if name == "draft":
             if section.num_inference_steps < 1:
                 raise ConfigError(f"draft.num_inference_steps must be positive, got {section.num_inference_steps}")
+            if section.anchor_weight < 0:
+                raise ConfigError(f"draft.anchor_weight must be >= 0, got {section.anchor_weight}")
             if not 1 <= section.draft_k <= section.num_inference_steps:
                 raise ConfigError(f"draft.draft_k must be in [1, num_inference_steps={section.num_inference_steps}], "
                                   f"got {section.draft_k}")
