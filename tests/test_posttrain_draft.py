@@ -214,7 +214,7 @@ def test_the_base_anchor_is_the_mean_squared_velocity_gap_to_the_base_over_the_d
     assert not any(p.grad is not None for p in trainer.pipe.vae.parameters())
     off = trainer_for(build_config(draft_config(tmp_path / "off", draft_k=3), cls=PosttrainConfig))
     off.setup()
-    assert off.sample(off.model, off.conditioning(prompt_ids), noise)[2] is None  # 0: no base forward at all
+    assert off.sample(off.model, off.conditioning(prompt_ids), noise)[2] is None  # weight 0: no anchor term
     with pytest.raises(ConfigError, match="draft.anchor_weight"):
         build_config(draft_config(tmp_path / "bad", anchor_weight=-1.0), cls=PosttrainConfig)
 

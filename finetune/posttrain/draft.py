@@ -131,7 +131,7 @@ class DraftTrainer(PosttrainTrainer):
         the (B,) base anchor (:meth:`anchor_gap` averaged over the ``draft_k`` differentiable steps), else None."""
         times, k = self.times, self.config.draft.draft_k
         first_grad = len(times) - 1 - k
-        anchored = grad and self.config.draft.anchor_weight > 0
+        anchored = self.config.draft.anchor_weight > 0
         latents, lv, gaps = noise, None, []
         with self.runtime.autocast():
             for i, (t, t_next) in enumerate(zip(times[:-1], times[1:])):
