@@ -1,7 +1,8 @@
 """The proving ground's measuring instruments (bench/proving/judge.py, rewards.py, report.py):
 Frechet distance and diversity against values worked out by hand, the reward plug-in against
 krea2 posttrain's own reward checks (GRPO's list of floats, DRaFT's gradient path) and its log; the
-pretraining captions against the scans they describe. No classifier is trained here (the full run measures them)."""
+pretraining captions against the scans they describe. No judge or reward is trained here (the full run measures
+them); only the outside reader (an SVM fitted in a second on the held-out scans)."""
 
 import json
 import sys
@@ -151,3 +152,25 @@ def test_the_report_proof_reuses_judged_rows_only_from_the_same_training(tmp_pat
     now["checkpoints"][1]["concept"] = 0.6100001
     with pytest.raises(SystemExit, match=r"differ from this training's at steps \[100\]"):
         reusable_rows(earlier, now)
+
+
+def test_the_outside_reader_learns_from_the_held_out_scans_and_reads_other_scans_from_png_not_noise(tmp_path):
+    """bench/proving/outside_reader.py: fitted on the 360 held-out scans only, it reads training scans
+    (data it never saw), written as the stages write samples and read back by name, and not noise."""
+    from PIL import Image
+
+    from proving import digits
+    from proving.outside_reader import fit_outside_reader, ink_vectors, read_folder
+
+    splits = digits.load_splits(64)
+    reader, cv_accuracy = fit_outside_reader(splits.heldout, splits.heldout_labels, seed=0)
+    assert 0.9 <= cv_accuracy <= 1.0
+    pick = np.concatenate([np.flatnonzero(splits.train_labels == d)[:12] for d in range(10)])
+    for k, i in enumerate(pick):
+        Image.fromarray(splits.train[i]).save(tmp_path / f"{splits.train_labels[i]}_{k}.png")
+    images, labels = read_folder(tmp_path)
+    assert sorted(labels.tolist()) == sorted(splits.train_labels[pick].tolist())
+    assert (reader.predict(ink_vectors(images)) == labels).mean() >= 0.9
+    noise = np.random.default_rng(0).integers(0, 256, images.shape, dtype=np.uint8)
+    # Uniform noise carries no digit: at most chance plus a margin for one class taking it all.
+    assert (reader.predict(ink_vectors(noise)) == labels).mean() <= 0.3
