@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -55,7 +56,8 @@ def read_folder(folder: Path) -> tuple[np.ndarray, np.ndarray]:
     """(uint8 (N, H, W, 3) images, int64 (N,) digits) from ``<digit>_<k>.png`` files, in name order."""
     from PIL import Image
 
-    files = sorted(folder.glob("*_*.png"), key=lambda p: tuple(int(n) for n in p.stem.split("_")))
+    files = [p for p in folder.glob("*_*.png") if re.fullmatch(r"\d_\d+", p.stem)]
+    files.sort(key=lambda p: tuple(int(n) for n in p.stem.split("_")))
     if not files:
         raise SystemExit(f"{folder}: no <digit>_<k>.png samples")
     images = np.stack([np.asarray(Image.open(f).convert("RGB")) for f in files])
@@ -78,10 +80,19 @@ def main() -> None:
 
     summary_path = args.run.with_name(args.run.name + ".json")
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    seed = args.seed if args.seed is not None else summary.get("seed", 0)
+    seed = args.seed if args.seed is not None else summary.get("seed")
+    if seed is None:
+        # The held-out split follows the seed: a wrong one would fit the reader on the judge's own scans.
+        raise SystemExit(f"--seed: needed, {summary_path} (the run's JSON, which records it) does not exist")
+    judge_path = args.run / "work" / "judge_reader.safetensors"
+    if not judge_path.exists():
+        raise SystemExit(f"--run {args.run}: no {judge_path} (not a finished proving-ground run)")
+    bad = [item for item in args.folder if "=" not in item]
+    if bad:
+        raise SystemExit(f"--folder {bad[0]}: expected NAME=DIR")
     splits = digits.load_splits(pg.RESOLUTION, Seeds(seed).split)
     reader, cv_accuracy = fit_outside_reader(splits.heldout, splits.heldout_labels, seed)
-    judge = load_reader(args.run / "work" / "judge_reader.safetensors")
+    judge = load_reader(judge_path)
     judge_heldout = float((judge.predict(splits.heldout) == splits.heldout_labels).mean())
     print(f"outside reader: RBF SVM on 8x8 ink, fitted on the {len(splits.heldout_labels)} held-out scans "
           f"(5-fold accuracy {cv_accuracy:.3f}); the judge's reader on them {judge_heldout:.3f}")
