@@ -3,7 +3,7 @@
 classifier that shares neither the judge's data nor its family (issue 39: an outside classifier read the
 earlier GRPO and DRaFT samples as no better than the base)?
 
-    python bench/proving/outside_reader.py --run DIR [--seed S] [--stages base_nocfg,dpo,...]
+    python bench/proving/outside_reader.py --run DIR [--summary JSON] [--seed S] [--stages base_nocfg,dpo,...]
                                            [--folder NAME=DIR ...] [--json OUT]
 
 The reader: an RBF support-vector machine (scikit-learn's ``SVC``, its defaults) on the ink (1 - grey)
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -53,21 +52,21 @@ def fit_outside_reader(images: np.ndarray, labels: np.ndarray, seed: int) -> tup
 
 
 def read_folder(folder: Path) -> tuple[np.ndarray, np.ndarray]:
-    """(uint8 (N, H, W, 3) images, int64 (N,) digits) from ``<digit>_<k>.png`` files, in name order."""
+    """(uint8 (N, H, W, 3) images, int64 (N,) digits) from ``<digit>_<k>.png`` files, in (digit, k) order."""
     from PIL import Image
 
-    files = [p for p in folder.glob("*_*.png") if re.fullmatch(r"\d_\d+", p.stem)]
-    files.sort(key=lambda p: tuple(int(n) for n in p.stem.split("_")))
-    if not files:
-        raise SystemExit(f"{folder}: no <digit>_<k>.png samples")
-    images = np.stack([np.asarray(Image.open(f).convert("RGB")) for f in files])
-    return images, np.array([int(f.stem.split("_")[0]) for f in files])
+    from proving.report import sample_files
+
+    files = sorted(sample_files(folder).items())
+    images = np.stack([np.asarray(Image.open(path).convert("RGB")) for _, path in files])
+    return images, np.array([digit for (digit, _), _ in files], np.int64)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", required=True, type=Path)
-    parser.add_argument("--seed", type=int, default=None, help="the run's --seed (default: its JSON's)")
+    parser.add_argument("--summary", type=Path, help="the run's JSON summary (default DIR/report.json; the run's --json if it had one)")
+    parser.add_argument("--seed", type=int, default=None, help="the run's --seed (default: from the summary)")
     parser.add_argument("--stages", default=",".join(STAGES))
     parser.add_argument("--folder", action="append", default=[], metavar="NAME=DIR")
     parser.add_argument("--json", type=Path)
@@ -78,12 +77,13 @@ def main() -> None:
     from proving.reader import load_reader
     from proving.seeds import Seeds
 
-    summary_path = args.run.with_name(args.run.name + ".json")
+    summary_path = args.summary or args.run / "report.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     seed = args.seed if args.seed is not None else summary.get("seed")
     if seed is None:
         # The held-out split follows the seed: a wrong one would fit the reader on the judge's own scans.
-        raise SystemExit(f"--seed: needed, {summary_path} (the run's JSON, which records it) does not exist")
+        raise SystemExit(f"--seed: needed, {summary_path} (the run's JSON, which records it) does not exist; "
+                         "pass --summary (the run's --json) or --seed")
     judge_path = args.run / "work" / "judge_reader.safetensors"
     if not judge_path.exists():
         raise SystemExit(f"--run {args.run}: no {judge_path} (not a finished proving-ground run)")

@@ -22,11 +22,9 @@ POST_TRAINED = ("dpo", "grpo", "draft")
 GRID_COLUMNS = 10
 
 
-def sample_grid(samples_dir: Path, columns: int = GRID_COLUMNS):
-    """``<digit>_<k>.png`` files -> one PIL image, row d = digit d's first ``columns`` samples
-    (blank cells where a digit has fewer)."""
-    from PIL import Image
-
+def sample_files(samples_dir: Path) -> dict[tuple[int, int], Path]:
+    """{(digit, k): path} of a stage's ``<digit>_<k>.png`` samples (other files ignored); refuses a folder
+    without any."""
     files = {}
     for path in Path(samples_dir).glob("*.png"):
         match = re.fullmatch(r"(\d)_(\d+)", path.stem)
@@ -34,6 +32,15 @@ def sample_grid(samples_dir: Path, columns: int = GRID_COLUMNS):
             files[(int(match[1]), int(match[2]))] = path
     if not files:
         raise FileNotFoundError(f"no <digit>_<k>.png samples in {samples_dir}")
+    return files
+
+
+def sample_grid(samples_dir: Path, columns: int = GRID_COLUMNS):
+    """``<digit>_<k>.png`` files -> one PIL image, row d = digit d's first ``columns`` samples
+    (blank cells where a digit has fewer)."""
+    from PIL import Image
+
+    files = sample_files(samples_dir)
     size = Image.open(next(iter(files.values()))).size
     grid = Image.new("RGB", (columns * size[0], 10 * size[1]), (128, 128, 128))
     for digit in range(10):
