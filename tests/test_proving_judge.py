@@ -174,3 +174,42 @@ def test_the_outside_reader_learns_from_the_held_out_scans_and_reads_other_scans
     noise = np.random.default_rng(0).integers(0, 256, images.shape, dtype=np.uint8)
     # Uniform noise carries no digit: at most chance plus a margin for one class taking it all.
     assert (reader.predict(ink_vectors(noise)) == labels).mean() <= 0.3
+
+
+def test_lora_check_reads_its_gate_on_the_mean_of_several_blocks_and_on_the_evaluation_block_alone_by_default(
+        monkeypatch):
+    """bench/proving/lora_check.py --blocks: each block's rows (sampled from that block's seed) are averaged
+    before the gate is read, so a miss by a few samples on one block is weighed against the others."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "proving"))
+    import lora_check
+    from proving.seeds import Seeds
+
+    seeds = Seeds(3)
+    # Accuracy with the trigger per block: block 1 (the evaluation block) misses base - 0.05 = 0.935 by 0.005.
+    accuracy = {seeds.block(1): 0.930, seeds.block(5): 0.950, seeds.block(6): 0.960}
+    asked = []
+
+    def rows(run, lora, stage, sample_seed):
+        asked.append((lora is None, sample_seed))
+        if lora is None:
+            return {"base": {"accuracy": 0.985, "concept": 0.0}}
+        return {stage: {"accuracy": accuracy[sample_seed], "concept": 1.0},
+                f"{stage}_off": {"accuracy": 0.99, "concept": 0.0}, f"{stage}_off_nocfg": {"accuracy": 0.8, "concept": 0.02}}
+
+    monkeypatch.setattr(lora_check, "judged_rows", rows)
+    alone = lora_check.measure(Path("run"), Path("lora.safetensors"), 3, "lora")
+    assert asked == [(True, seeds.eval), (False, seeds.eval)] and seeds.eval == seeds.block(1)
+    assert alone["gate"][1] is False and "blocks" not in alone
+    asked.clear()
+    mean = lora_check.measure(Path("run"), Path("lora.safetensors"), 3, "lora", blocks=[1, 5, 6])
+    assert sorted(seed for _, seed in asked) == sorted(2 * list(accuracy))
+    assert mean["stages"]["lora"]["accuracy"] == pytest.approx((0.930 + 0.950 + 0.960) / 3, abs=1e-12)
+    assert mean["stages"]["lora_off_nocfg"]["concept"] == pytest.approx(0.02, abs=1e-12)
+    assert mean["gate"][1] is True and sorted(mean["blocks"]) == ["1", "5", "6"]
+    assert mean["blocks"]["1"]["lora"]["accuracy"] == 0.930
+    asked.clear()  # two stages sharing the base's rows: the base is sampled once per block
+    shared = {}
+    for stage in ("lora", "lora_ema"):
+        lora_check.measure(Path("run"), Path(f"{stage}.safetensors"), 3, stage, blocks=[1, 5], base_rows=shared)
+    assert sorted(asked) == sorted([(True, seeds.block(1)), (True, seeds.block(5))] + 2 * [(False, seeds.block(1)),
+                                                                                            (False, seeds.block(5))])

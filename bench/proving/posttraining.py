@@ -30,6 +30,11 @@ guidance-free accuracy 0.850, diversity 24.4, 20 samples per digit, 16 Euler ste
   DPO's best of five (the README's spread table: FD 23.8-38.8 for the same weights). On the earlier,
   weaker base (guidance-free 0.570), on-policy pairs alone peaked at 0.615 (200 steps), 800 steps
   0.58, lr 5e-3 0.31, lr 1e-2 / beta 5000 collapsed (0.135).
+  Tried later on the Zen 4 seed-0 base (selection seeds, against its CFG sweep; FD / frontier at steps
+  100-600), none adopted: beta 2000 1.09-1.48; ``sft_weight`` 0 0.91-2.41; 64 candidates a digit instead
+  of 16 (320 pairs): from CFG 1 0.68-3.11, guidance-free only 0.84-1.73; at lr 5e-4 guidance-free only
+  0.88-1.09 (accuracy 0.795-0.835) and CFG 1 0.90-1.22 (0.81-0.90): slower, it walks along the frontier
+  instead of past it (the settings: 0.91-2.07).
 - GRPO: the exploring window pinned to the first four (high-noise) steps, ``sde_window_start`` 0,
   where the digit is decided: 150 steps of 16 rollouts 0.975 (diversity 16.0); on the earlier base
   0.76 against 0.58 for a random window with the same budget (lr 5e-3 there fell: reward 0.50 -> 0.21).
