@@ -128,7 +128,6 @@ def main(argv=None) -> int:
     return 0
 
 
-
 def check_inputs(run: Path, other: Path, what: str) -> None:
     """Fail before any sampling when ``run`` is not a finished proving-ground run or ``other`` is missing."""
     for needed in (run / "models" / "base", run / "work" / "judge_reader.safetensors", other):
