@@ -39,7 +39,7 @@ class LoraSpec:
     """Share of concept images trained with an empty caption (the concept set's ``caption_dropout``)."""
     regular_caption_dropout: float = 0.0
     """Share of regularization images trained with an empty caption: CFG's unconditional branch then
-    learns the base's black ink, never the concept (see FULL's comment in ``proving_ground.py``)."""
+    learns the base's black ink, never the concept (see FULL's comment in ``proving/settings.py``)."""
     checkpoint_every: int | None = None
     """Keep a checkpoint every N steps (None: only the last)."""
     extra_checkpoints: tuple[int, ...] = ()

@@ -6,7 +6,7 @@ the run's LoRA stage measures it? For a recipe change checked without running th
                                        [--blocks 1,5,6,7,8] [--json OUT]
 
 Samples at the run's evaluation seeds (:attr:`proving.seeds.Seeds.eval`; never a tuning seed), the
-full run's ``per_digit``, sampling steps and CFG (``proving_ground.FULL``): the base with CFG (its
+full run's ``per_digit``, sampling steps and CFG (``proving_ground.FULL``, from :mod:`proving.settings`): the base with CFG (its
 accuracy), the LoRA with the trigger with CFG (concept share, accuracy) and without it with CFG and at
 guidance 0 (the leak: its concept share). Accuracy is the judge's reader saved in the run
 (``DIR/work/judge_reader.safetensors``), concept the red-ink test, as in the stage. Prints the gate of
