@@ -72,15 +72,15 @@ def measure(run: Path, lora: Path, seed: int, stage: str, blocks: list[int] | No
     from proving.seeds import Seeds
 
     seeds = Seeds(seed)
+    base = {} if base_rows is None else base_rows
     per_block = {}
     for block in blocks or [None]:
         sample_seed = seeds.eval if block is None else seeds.block(block)
-        base = base_rows if base_rows is not None else {}
         if sample_seed not in base:
             base[sample_seed] = judged_rows(run, None, stage, sample_seed)
         per_block[block] = {**base[sample_seed], **judged_rows(run, lora, stage, sample_seed)}
     rows = {name: {key: sum(r[name][key] for r in per_block.values()) / len(per_block) for key in ("accuracy", "concept")}
-            for name in per_block[next(iter(per_block))]}
+            for name in next(iter(per_block.values()))}
     gate = next(c for c in checks(rows, {}) if c[0].startswith(f"{stage}:"))
     result = {"run": str(run), "lora": str(lora), "seed": seed, "eval_seed": seeds.eval, "stages": rows, "gate": list(gate)}
     if blocks:
