@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """How much of a frontier verdict is the sampling block: the same models' accuracy and FD on several
-blocks of 200 samples (issue 39; the README's "The frontier gate's 10% is inside the FD's sampling spread").
+blocks of 200 samples (issue 39; ``bench/proving/HISTORY.md``, "The frontier gate's 10% is inside the FD's
+sampling spread").
 
     python bench/proving/fd_spread.py --run DIR [--seed S] [--blocks 0,1,2,5,6] [--guidance 0,0.5,1]
                                       [--lora NAME=FILE ...] [--json OUT]
