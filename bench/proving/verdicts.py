@@ -3,7 +3,7 @@
 ``checks`` in each run's JSON) and on the means of several sampling blocks that no stage selected on.
 
     python bench/proving/verdicts.py bench/proving/results/zen4/seed{0,1,2}.json \\
-        bench/proving/results/zen4/heldout_seed3.json [--blocks bench/proving/results/zen4]
+        bench/proving/results/zen4/heldout_seed{3,4}.json [--blocks bench/proving/results/zen4]
 
 ``--blocks`` (default: the first run's folder) holds, per seed S, ``spread_seedS.json``
 (``fd_spread.py --blocks ...`` with the run's DPO, GRPO and DRaFT) and ``lora_blocks_seedS.json``
