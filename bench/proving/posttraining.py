@@ -27,9 +27,9 @@ guidance-free accuracy 0.850, diversity 24.4, 20 samples per digit, 16 Euler ste
   tuning sampling block against that block's own CFG sweep): accuracy 0.98 / 0.985 / 0.98 at steps
   400 / 500 / 600, FD 23.8-25.9 where CFG needs 28-30 for that accuracy; CFG 0.5 candidates reached
   0.95 at FD 23.5 (600 steps) and swung between 23.5 and 41.6 on the way. That block turned out to be
-  DPO's best of five (the spread table in ``bench/proving/HISTORY.md``: FD 23.8-38.8 for the same weights). On the earlier,
-  weaker base (guidance-free 0.570), on-policy pairs alone peaked at 0.615 (200 steps), 800 steps
-  0.58, lr 5e-3 0.31, lr 1e-2 / beta 5000 collapsed (0.135).
+  DPO's best of five (the spread table in ``bench/proving/HISTORY.md``: FD 23.8-38.8 for the same
+  weights). On the earlier, weaker base (guidance-free 0.570), on-policy pairs alone peaked at 0.615
+  (200 steps), 800 steps 0.58, lr 5e-3 0.31, lr 1e-2 / beta 5000 collapsed (0.135).
   Tried later on the Zen 4 seed-0 base (selection seeds, against its CFG sweep; FD / frontier at steps
   100-600), none adopted: beta 2000 1.09-1.48; ``sft_weight`` 0 0.91-2.41; 64 candidates a digit instead
   of 16 (320 pairs): from CFG 1 0.68-3.11, guidance-free only 0.84-1.73; at lr 5e-4 guidance-free only
