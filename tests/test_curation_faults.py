@@ -272,19 +272,29 @@ def test_dedup_shards_merges_resumes_after_kill_and_is_idempotent(server, tmp_pa
     assert all(r["status"] == "kept" for dsn in (shard_a, shard_b) for r in query(dsn, "SELECT status FROM images"))
 
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    # One pair per committed batch: 30 commits, so the kill lands mid-run (with 4 per batch the 8 commits
-    # could all land between one poll and the kill: seen once in CI as count() == 30).
+    # One pair per committed batch (30 commits). The kill must land mid-run on any machine: polling for the
+    # first drop raced (under load all 30 commits landed between two polls: count() == 30, seen twice in CI).
+    # So this transaction holds shard A's progress table: the worker commits its first batch's drop, then
+    # waits at its first progress write, where it is killed.
     command = [sys.executable, "-m", "curation", "dedup-shards", "--dsn", shard_a, "--dsn", shard_b, "--batch", "1"]
-    run = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    holder = psycopg.connect(shard_a)
+    holder.execute("LOCK TABLE shard_progress IN EXCLUSIVE MODE")
+    waiting = ("SELECT count(*) AS n FROM pg_locks WHERE NOT granted AND relation = 'shard_progress'::regclass")
+    try:
+        run = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while run.poll() is None and time.monotonic() < deadline and not query(shard_a, waiting)[0]["n"]:
+            time.sleep(0.01)
+        assert run.poll() is None, f"dedup-shards ended before it could be killed: {run.stderr.read()}"
+        assert query(shard_a, waiting)[0]["n"], "dedup-shards never reached its first progress write"
+        os.kill(run.pid, signal.SIGKILL)
+        run.wait()
+    finally:
+        holder.rollback()
+        holder.close()
     dropped = "SELECT count(*) AS n FROM images WHERE drop_job = 'dedup-shards'"
-    deadline = time.monotonic() + 60
     count = lambda: query(shard_a, dropped)[0]["n"] + query(shard_b, dropped)[0]["n"]  # noqa: E731
-    while run.poll() is None and time.monotonic() < deadline and not count():
-        time.sleep(0.002)
-    assert run.poll() is None, "dedup-shards finished before it could be killed"
-    os.kill(run.pid, signal.SIGKILL)
-    run.wait()
-    assert 0 < count() < 30
+    assert count() == 1  # the first batch's pair, committed; 29 to go
 
     def state() -> list:
         return [query(dsn, "SELECT uri, status, drop_reason, shard_duplicate_of FROM images ORDER BY uri")
