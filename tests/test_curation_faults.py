@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import psycopg
-from PIL import Image
 
 from curation.synthetic import make_corpus, photo
 from curation.worker import CRASH_HOOK, DELAY_HOOK
