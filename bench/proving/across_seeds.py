@@ -45,6 +45,21 @@ def gate_name(claim: str) -> str:
     return re.split(r"\s[(\-\d.]", claim, maxsplit=1)[0]
 
 
+def gate_results(runs: list[dict]) -> dict[str, list[tuple]]:
+    """{gate name: [(seed, met), ...]} over the runs' ``checks``, in the order the gates first appear."""
+    names: dict[str, list] = {}
+    for run in runs:
+        for check in run.get("checks", []):
+            names.setdefault(gate_name(check["claim"]), []).append((run.get("seed"), check["met"]))
+    return names
+
+
+def seeds_met(results: list[tuple]) -> str:
+    """``0, 2 (of 3)``: the seeds of ``[(seed, met), ...]`` that met, out of how many were read."""
+    met = [str(seed) for seed, ok in results if ok]
+    return f"{', '.join(met) if met else 'none'} (of {len(results)})"
+
+
 def table(runs: list[dict]) -> str:
     seeds = [run.get("seed") for run in runs]
     lines = [f"Seeds {', '.join(map(str, seeds))}: mean [min, max] over {len(runs)} runs.", "",
@@ -60,13 +75,7 @@ def table(runs: list[dict]) -> str:
         lines.append("| edit: " + ", ".join(EDIT_MEASURES) + " | " + "; ".join(spread([e.get(m) for e in edits], 3)
                                                                            for m in EDIT_MEASURES) + " | | | |")
     lines += ["", "| gate | met at seeds |", "|---|---|"]
-    names: dict[str, list] = {}
-    for seed, run in zip(seeds, runs):
-        for check in run.get("checks", []):
-            names.setdefault(gate_name(check["claim"]), []).append((seed, check["met"]))
-    for name, results in names.items():
-        met = [str(seed) for seed, ok in results if ok]
-        lines.append(f"| {name} | {', '.join(met) if met else 'none'} (of {len(results)}) |")
+    lines += [f"| {name} | {seeds_met(results)} |" for name, results in gate_results(runs).items()]
     minutes = [run.get("total_seconds", 0) / 60 for run in runs]
     lines += ["", "Wall time per run (min): " + ", ".join(f"seed {s}: {m:.1f}" for s, m in zip(seeds, minutes))]
     return "\n".join(lines)

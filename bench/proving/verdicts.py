@@ -25,7 +25,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(BENCH))
 
-from proving.across_seeds import gate_name  # noqa: E402
+from proving.across_seeds import gate_name, gate_results, seeds_met  # noqa: E402
 from proving.gates import checks  # noqa: E402
 
 
@@ -53,26 +53,17 @@ def five_block_verdicts(run: dict, spread: dict | None, lora_blocks: dict | None
 
 def table(runs: list[dict], blocks: Path) -> str:
     """Markdown: one row per gate, the seeds that meet it on the evaluation block and on the block means."""
-    evaluation: dict[str, list] = {}
     means: dict[str, list] = {}
     for run in runs:
         seed = run["seed"]
-        for check in run.get("checks", []):
-            evaluation.setdefault(gate_name(check["claim"]), []).append((seed, check["met"]))
         spread, loras = (blocks / f"{kind}_seed{seed}.json" for kind in ("spread", "lora_blocks"))
         found = five_block_verdicts(run, json.loads(spread.read_text()) if spread.is_file() else None,
                                     json.loads(loras.read_text()) if loras.is_file() else None)
         for name, met in found.items():
             means.setdefault(name, []).append((seed, met))
-
-    def seeds(results):
-        if not results:
-            return ""
-        met = [str(seed) for seed, ok in results if ok]
-        return f"{', '.join(met) if met else 'none'} (of {len(results)})"
-
     lines = ["| gate | evaluation block: seeds met | five blocks: seeds met |", "|---|---|---|"]
-    lines += [f"| {name} | {seeds(results)} | {seeds(means.get(name, []))} |" for name, results in evaluation.items()]
+    lines += [f"| {name} | {seeds_met(results)} | {seeds_met(means[name]) if name in means else ''} |"
+              for name, results in gate_results(runs).items()]
     return "\n".join(lines)
 
 
